@@ -30,6 +30,10 @@ cdef class LimitsWire:
     cdef public object idle_timeout_ms
 
 
+cdef class DelaysWire:
+    cdef public dict per_principal
+
+
 cdef class ReclaimWire:
     cdef public dict queues
 

@@ -54,7 +54,6 @@ from ..roles import Action
 from ..protocol.ops import OP_HELLO
 from ..protocol._wire cimport WireDecoder, feed_frames
 from .shares import limit_exceeded
-from .lockdelays import relog_running
 
 cdef object _ProtocolError = ProtocolError
 
@@ -254,6 +253,17 @@ cdef class SessionsWire:
 cdef class KeysWire:
     """The compiled base of :class:`fastlock.server.keys.KeyStore`: ``space`` (its
     :class:`~fastlock.wal.keyspace.KeySpace`, whose ``by_lease`` every release reads)."""
+
+
+cdef class DelaysWire:
+    """The compiled base of :class:`fastlock.server.lockdelays.RunningDelays`: ``per_principal``
+    (principal -> how many of its lock-delays run; empty exactly when none runs), read by every
+    ACQUIRE."""
+
+
+cdef inline object _running(object delays):
+    """``delays.per_principal`` (a :class:`DelaysWire`'s C field when it is one)."""
+    return (<DelaysWire>delays).per_principal if isinstance(delays, DelaysWire) else delays.per_principal
 
 
 cdef class LimitsWire:
@@ -523,7 +533,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
     # (running lock-delays count as leases: each keeps a lock entry until it ends)
     # (PrincipalQuotas.lock_delay_count's own first check inline: no lock-delay runs)
-    if (not retry and len(table) + (quotas.lock_delay_count(now) if quotas.delays.per_principal else 0)
+    if (not retry and len(table) + (quotas.lock_delay_count(now) if _running(quotas.delays) else 0)
             >= config.max_leases
             and (shared or limit or not table.holders_of(name, now, 0, 1))):
         raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
@@ -631,26 +641,30 @@ cpdef list deliver_grants(dict sessions, list grants):
     whose connection is gone or closing, or whose request is an object (a sequencer's, an
     ACQUIRE_MANY's), for :meth:`fastlock.server.lockserver.LockServer.deliver_grants` to
     handle."""
-    cdef list rest = []
+    rest = _deliver_grants(sessions, grants)
+    return rest if rest is not None else []
+
+
+cdef list _deliver_grants(dict sessions, list grants):
+    """:func:`deliver_grants`, returning None when every grant was answered (no list made)."""
+    cdef list rest = None
     cdef SessionWire conn
     cdef Event ev
     for ev in grants:
         request = ev.request
         wire = sessions.get(ev.session)
-        if type(request) is not int or wire is None or not isinstance(wire, SessionWire):
+        if type(request) is not int or wire is None or not isinstance(wire, SessionWire) or (<SessionWire>wire).closed:
+            if rest is None:
+                rest = []
             rest.append(ev)
             continue
         conn = <SessionWire>wire
-        if conn.closed:
-            rest.append(ev)
-            continue
         conn.send(_grant_reply(request, ev.token, ev.ttl_ms, ev.waited_ms))
     return rest
 
 
 # -- the batch end -----------------------------------------------------------------------
 
-cdef object _relog_running = relog_running
 
 
 cdef class _GrantsDelivery:
@@ -708,7 +722,8 @@ cdef class BatchEnd:
             self.snapshots_read = snaps
             if ((commit.next_lsn > due_lsn or commit.io.bytes >= due_bytes)
                     and wal.maybe_snapshot(server.snapshot_state)):
-                _relog_running(wal, table)
+                from .lockdelays import relog_running  # (lockdelays imports this module: not at its start)
+                relog_running(wal, table)
                 server.revoke_deadlines.relog(wal, _monotonic_ms())
         nd = table_next_deadline(table)
         cdef ExpiryWire expiry = self.expiry
@@ -825,7 +840,7 @@ cdef class BatchEnd:
         if self.source.fencing:  # (not paired: nothing to check)
             (<object>self.source).fence_if_due(_monotonic_ms())
         if refused_by is None and _admits(self, self.roles, _ACQUIRE):  # (NodeRole.may's own test)
-            rest = deliver_grants(self.limits.sessions, grants)
+            rest = _deliver_grants(self.limits.sessions, grants)
             if rest:
                 server._deliver_rest(rest, None)
         else:
@@ -917,7 +932,7 @@ cdef class QuotaCounts:
         if leases:
             held = len(u.leases) + u.waiting
             delays = self.delays
-            if delays.per_principal:  # (empty exactly when no lock-delay runs)
+            if _running(delays):  # (empty exactly when no lock-delay runs)
                 delays.ended(_monotonic_ms())
                 held += delays.per_principal.get(principal, 0)
             _quota_check(self.leases, principal, held, leases)
@@ -926,7 +941,7 @@ cdef class QuotaCounts:
     cpdef lock_delay_count(self, now):
         """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
         delays = self.delays
-        if not delays.per_principal:  # (empty exactly when no lock-delay runs)
+        if not _running(delays):  # (empty exactly when no lock-delay runs)
             return 0
         delays.ended(now)
         return len(delays)
