@@ -812,7 +812,12 @@ cdef object table_release(object table, object name, object token, object owner,
 
 
 cdef object table_holder(object table, object name, object now, object owner):
-    return (<LockTable?>table).holder(name, now, owner)
+    """(A str ``name`` with no entry has no holder: None at once, without the method's checks of
+    its arguments, which the request path passes checked.)"""
+    cdef LockTable t = <LockTable?>table
+    if type(name) is str and name not in t._locks:
+        return None
+    return t.holder(name, now, owner)
 
 
 cdef list table_drain_events(object table):

@@ -131,6 +131,8 @@ class NodeRole:
         now_ms: the server's monotonic clock in milliseconds.
         primary_address: for a standby, the ``host:port`` of its primary, named
             in the ``NotPrimary`` redirect.
+        on_admitted: None, or called with :attr:`admitted` at the start and on every
+            change (the server keeps it where its compiled request path reads it).
 
     Attributes:
         expires_leases (bool): does this node expire leases itself?  Only a
@@ -142,10 +144,11 @@ class NodeRole:
     """
 
     __slots__ = ("_role", "_fenced", "_sync_held", "_grace_until_ms", "_hold", "_now_ms", "admitted",
-                 "primary_address", "expires_leases", "grace_reason", "alone_since")
+                 "primary_address", "expires_leases", "grace_reason", "alone_since", "_on_admitted")
 
     def __init__(self, initial: Role, *, hold_grants_until: Callable[[int], None],
-                 now_ms: Callable[[], int], primary_address: str | None = None):
+                 now_ms: Callable[[], int], primary_address: str | None = None,
+                 on_admitted: Callable[[frozenset[Action]], None] | None = None):
         if initial not in (Role.PRIMARY, Role.STANDBY):
             raise IllegalTransition(f"a node starts as primary or standby, not {initial.value}")
         self._role: Role = initial
@@ -161,6 +164,7 @@ class NodeRole:
         #: node serves (the old primary's fence had closed, or it confirmed its step-down);
         #: None when unknown (fastlock.server.ratelimit starts its limiters from it)
         self.alone_since: tuple[int, int] | None = None
+        self._on_admitted = on_admitted
         self._changed()
 
     # -- state ---------------------------------------------------------------------------------
@@ -292,6 +296,8 @@ class NodeRole:
         if self._sync_held and self._role is Role.PRIMARY:
             self.admitted = self.admitted - {Action.ACQUIRE}
         self.expires_leases = self._role is Role.PRIMARY
+        if self._on_admitted is not None:
+            self._on_admitted(self.admitted)
         self._hold(self.grants_held_until())
 
     def __repr__(self) -> str:

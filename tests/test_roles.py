@@ -55,6 +55,27 @@ def test_every_legal_move_is_allowed_logged_and_sets_the_hold(frm, to, caplog):
     assert table.holds[-1] == node.grants_held_until()
 
 
+def test_on_admitted_hears_the_admitted_actions_at_the_start_and_on_every_change():
+    """``on_admitted`` (the server keeps what it hears as the slot its compiled request path
+    tests, ``BatchEnd.admitted``) gets ``admitted`` at the start and after each change of the
+    role, the fence and the sync hold - never a set older than the roles'."""
+    table = Table()
+    heard = []
+    node = NodeRole(Role.PRIMARY, hold_grants_until=table.hold_grants_until, now_ms=lambda: NOW,
+                    on_admitted=heard.append)
+    assert heard == [ADMITTED[(Role.PRIMARY, False)]]
+    node.set_fenced(True)
+    assert heard[-1] == node.admitted == ADMITTED[(Role.PRIMARY, True)]
+    node.set_fenced(False)
+    node.set_sync_held(True)
+    assert heard[-1] == node.admitted
+    assert Action.ACQUIRE not in heard[-1] and Action.RELEASE in heard[-1]
+    node.set_sync_held(False)
+    node.transition(Role.DEPOSED, "test")
+    assert heard[-1] == node.admitted == frozenset()
+    assert len(heard) == 6  # the start and five changes
+
+
 ILLEGAL = [(f, t) for f, t in itertools.product(Role, Role) if (f, t) not in TRANSITIONS]
 
 

@@ -189,14 +189,14 @@ cdef class CommittedWire:
         cdef int64_t ack = self.commit.marks.ack
         cdef Py_ssize_t at = self.revision_at
         cdef int64_t rev
-        last = pending[len(pending) - 1][at]
-        rev = last
-        if (rev & _LSN_MASK) <= ack:  # (the common case: all of them)
-            self.log.mark_published(last)
-            return
         first = pending[0][at]
         rev = first
-        if (rev & _LSN_MASK) > ack:  # none of them yet
+        if (rev & _LSN_MASK) > ack:  # none of them yet (the common case within a loop turn)
+            return
+        last = pending[len(pending) - 1][at]
+        rev = last
+        if (rev & _LSN_MASK) <= ack:  # all of them
+            self.log.mark_published(last)
             return
         upto = first
         for change in pending:  # (in revision order, which is the log's order)

@@ -32,6 +32,22 @@ cdef class LimitsWire:
     cdef public object idle_timeout_ms
 
 
+cdef class DelaysWire:
+    cdef public dict per_principal
+
+
+cdef class ReclaimWire:
+    cdef public dict queues
+
+
+cdef class SessionsWire:
+    cdef public dict attached_to
+
+
+cdef class KeysWire:
+    cdef public object space
+
+
 cdef class UsageWire:
     cdef public dict leases
     cdef public object waiting
@@ -86,6 +102,7 @@ cdef class SessionWire:
 
 cdef class BatchEnd:
     cdef public object table, roles
+    cdef public frozenset admitted  # roles.admitted, kept by the roles' on_admitted (None: read from roles)
     cdef public SourceWire source
     cdef public QueuesWire queues
     cdef public ExpiryWire expiry
@@ -97,7 +114,9 @@ cdef class BatchEnd:
     cdef public QuotaCounts quotas
     cdef public HandlersWire handlers
     cdef public GroupCommit commit  # the WAL's group commit (wal.group_commit) ...
-    cdef public object snapshots  # ... and snapshotter (wal.snapshotter)
+    cdef public object snapshots  # ... and snapshotter (wal.snapshotter) ...
+    cdef object snapshots_read  # ... whose marks the batch end read last ...
+    cdef long long snapshot_due_lsn, snapshot_due_bytes  # ... its next_due and next_due_bytes then
     cdef public list dirty
     cdef public bint in_batch_end
     cdef public bint batch_end_owed  # a delivery left its flush to the batch end in progress

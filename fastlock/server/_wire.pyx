@@ -19,6 +19,7 @@ templates (:func:`ok_nil`, :func:`ok_int`) as msgpack's own packer writes them.
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.set cimport PySet_Discard
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object)
@@ -53,7 +54,6 @@ from ..roles import Action
 from ..protocol.ops import OP_HELLO
 from ..protocol._wire cimport WireDecoder, feed_frames
 from .shares import limit_exceeded
-from .lockdelays import relog_running
 
 cdef object _ProtocolError = ProtocolError
 
@@ -79,13 +79,13 @@ cdef Py_ssize_t FEED_BYTES = 16 << 10
 cdef Py_ssize_t FLUSH_EARLY_BYTES = 256 << 10
 
 
-cdef inline Py_ssize_t _put_int(unsigned char *buf, object value) except -1:
-    """Write ``value`` (an int) as msgpack writes it (the shortest form); return its bytes."""
+cdef inline Py_ssize_t _put_c_int(unsigned char *buf, int64_t value) noexcept:
+    """:func:`_put_int` of a C integer of 64 bits (signed)."""
     cdef uint64_t u
     cdef int64_t i
     cdef int k
     if value >= 0:
-        u = value
+        u = <uint64_t>value
         if u < 0x80:
             buf[0] = <unsigned char>u
             return 1
@@ -129,6 +129,23 @@ cdef inline Py_ssize_t _put_int(unsigned char *buf, object value) except -1:
     for k in range(8):
         buf[1 + k] = <unsigned char>((i >> (56 - 8 * k)) & 0xFF)
     return 9
+
+
+cdef inline Py_ssize_t _put_int(unsigned char *buf, object value) except -1:
+    """Write ``value`` (an int) as msgpack writes it (the shortest form); return its bytes."""
+    cdef uint64_t u
+    cdef int64_t i
+    cdef int k
+    if value >= 0:
+        u = value
+        if u <= <uint64_t>0x7FFFFFFFFFFFFFFF:
+            return _put_c_int(buf, <int64_t>u)
+        buf[0] = 0xCF
+        for k in range(8):
+            buf[1 + k] = <unsigned char>(u >> (56 - 8 * k))
+        return 9
+    i = value
+    return _put_c_int(buf, i)
 
 
 cpdef bytes ok_nil(object req_id):
@@ -220,6 +237,33 @@ cdef class IntakeWire:
 cdef class ExpiryWire:
     """The compiled base of :class:`fastlock.server.lockserver.ExpiryTimer`: ``handle`` (the
     armed timer, None: none) and ``at_ms`` (monotonic ms it fires at), read at every batch end."""
+
+
+cdef class ReclaimWire:
+    """The compiled base of :class:`fastlock.server.reclaim.ReclaimGate`: ``queues`` (lock name ->
+    its reclaim queue; empty while no reclaim window is open), read by every ACQUIRE."""
+
+
+cdef class SessionsWire:
+    """The compiled base of :class:`fastlock.server.sessions.SessionRegistry`: ``attached_to``
+    ((lock name, fencing token) -> the client session the lease is attached to), read by every
+    release."""
+
+
+cdef class KeysWire:
+    """The compiled base of :class:`fastlock.server.keys.KeyStore`: ``space`` (its
+    :class:`~fastlock.wal.keyspace.KeySpace`, whose ``by_lease`` every release reads)."""
+
+
+cdef class DelaysWire:
+    """The compiled base of :class:`fastlock.server.lockdelays.RunningDelays`: ``per_principal``
+    (principal -> how many of its lock-delays run; empty exactly when none runs), read by every
+    ACQUIRE."""
+
+
+cdef inline object _running(object delays):
+    """``delays.per_principal`` (a :class:`DelaysWire`'s C field when it is one)."""
+    return (<DelaysWire>delays).per_principal if isinstance(delays, DelaysWire) else delays.per_principal
 
 
 cdef class LimitsWire:
@@ -340,6 +384,21 @@ cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_m
     return PyBytes_FromStringAndSize(<char *>buf, n)
 
 
+cdef bytes _grant_reply(object req_id, int64_t token, int64_t ttl_ms, int64_t waited_ms):
+    """:func:`ok_grant` of an event's C integers (no int objects made for them)."""
+    cdef unsigned char buf[48]
+    cdef Py_ssize_t n
+    buf[0] = 0x93
+    n = 1 + _put_int(buf + 1, req_id)
+    buf[n] = 0x00
+    buf[n + 1] = 0x93
+    n += 2
+    n += _put_c_int(buf + n, token)
+    n += _put_c_int(buf + n, ttl_ms)
+    n += _put_c_int(buf + n, waited_ms)
+    return PyBytes_FromStringAndSize(<char *>buf, n)
+
+
 # -- the lock operations ---------------------------------------------------------------
 # ACQUIRE (every form, ACQUIRE_PRIORITY's too), RELEASE and EXTEND (with or without a
 # sequencer) exist only here.  An argument's common case is checked inline; one that
@@ -406,6 +465,15 @@ cdef inline object _wait_ms(object wait_ms):
     return _check_wait_ms(wait_ms)
 
 
+cdef inline bint _admits(BatchEnd server, object roles, object action) except -1:
+    """``action in roles.admitted`` (NodeRole's set), read from the server's copy of it when it
+    keeps one (``BatchEnd.admitted``, set by the roles' ``on_admitted``)."""
+    admitted = server.admitted
+    if admitted is None:
+        return action in roles.admitted
+    return action in <frozenset>admitted
+
+
 cpdef acquire(HandlersWire handlers, SessionWire conn, object req_id, list msg, object priority=0):
     """ACQUIRE ``[id, op, name, owner, ttl_ms, wait_ms, lock_delay_ms, correlation_id[, shared[, limit[,
     actor[, sequencer]]]]]``, every form of it: ACQUIRE_PRIORITY's too, at queue ``priority`` (0..99,
@@ -416,7 +484,8 @@ cpdef acquire(HandlersWire handlers, SessionWire conn, object req_id, list msg, 
     name = _name(msg[2])
     owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
     reclaim = handlers.server.reclaim
-    if reclaim.queues and name in reclaim.queues:  # a promoted primary's reclaim window (server.reclaim)
+    queues = (<ReclaimWire>reclaim).queues if isinstance(reclaim, ReclaimWire) else reclaim.queues
+    if queues and name in queues:  # a promoted primary's reclaim window (server.reclaim)
         roles = handlers.roles
         if _ACQUIRE not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
             roles.admit(_ACQUIRE)
@@ -449,7 +518,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     table = handlers.table
     now = _monotonic_ms()
     roles = handlers.roles
-    if _ACQUIRE not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
+    if not _admits(handlers.server, roles, _ACQUIRE):  # (NodeRole.admit's own test: it raises the refusal)
         roles.admit(_ACQUIRE)
     config = handlers.config
     quotas = handlers.quotas
@@ -464,7 +533,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
     # (running lock-delays count as leases: each keeps a lock entry until it ends)
     # (PrincipalQuotas.lock_delay_count's own first check inline: no lock-delay runs)
-    if (not retry and len(table) + (quotas.lock_delay_count(now) if quotas.delays.per_principal else 0)
+    if (not retry and len(table) + (quotas.lock_delay_count(now) if _running(quotas.delays) else 0)
             >= config.max_leases
             and (shared or limit or not table.holders_of(name, now, 0, 1))):
         raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
@@ -480,7 +549,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     except ValueError as exc:  # the owner key waits on name in a multi-lock request
         raise _InvalidArgument(f"{name!r}: {exc}") from None
     if usage is not None:
-        quotas.acquired(usage, status, (name,), table_last_token(table))
+        _acquired_one(quotas, usage, status, name, table_last_token(table))
     if status == _QUEUED:
         (<object>server.queues).touched(name)  # shipped to the standby (fastlock.replication.queues)
     elif status == _LIMIT_CONFLICT or status == _NOT_ACQUIRED:
@@ -495,7 +564,7 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
     # a fenced primary refuses too: the standby may have been promoted and would never
     # see this release (the client repeats it at whichever node is primary)
     roles = handlers.roles
-    if _RELEASE not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
+    if not _admits(handlers.server, roles, _RELEASE):  # (NodeRole.admit's own test: it raises the refusal)
         roles.admit(_RELEASE)
     table = handlers.table
     now = _monotonic_ms()
@@ -574,26 +643,30 @@ cpdef list deliver_grants(dict sessions, list grants):
     whose connection is gone or closing, or whose request is an object (a sequencer's, an
     ACQUIRE_MANY's), for :meth:`fastlock.server.lockserver.LockServer.deliver_grants` to
     handle."""
-    cdef list rest = []
+    rest = _deliver_grants(sessions, grants)
+    return rest if rest is not None else []
+
+
+cdef list _deliver_grants(dict sessions, list grants):
+    """:func:`deliver_grants`, returning None when every grant was answered (no list made)."""
+    cdef list rest = None
     cdef SessionWire conn
     cdef Event ev
     for ev in grants:
         request = ev.request
         wire = sessions.get(ev.session)
-        if type(request) is not int or wire is None or not isinstance(wire, SessionWire):
+        if type(request) is not int or wire is None or not isinstance(wire, SessionWire) or (<SessionWire>wire).closed:
+            if rest is None:
+                rest = []
             rest.append(ev)
             continue
         conn = <SessionWire>wire
-        if conn.closed:
-            rest.append(ev)
-            continue
-        conn.send(ok_grant(request, ev.token, ev.ttl_ms, ev.waited_ms))
+        conn.send(_grant_reply(request, ev.token, ev.ttl_ms, ev.waited_ms))
     return rest
 
 
 # -- the batch end -----------------------------------------------------------------------
 
-cdef object _relog_running = relog_running
 
 
 cdef class _GrantsDelivery:
@@ -605,12 +678,16 @@ cdef class _GrantsDelivery:
     cdef BatchEnd server
     cdef list grants
 
-    def __cinit__(self, BatchEnd server, list grants):
-        self.server = server
-        self.grants = grants
-
     def __call__(self, refused=None):
         self.server.deliver_granted(self.grants, refused)
+
+
+cdef inline _GrantsDelivery _grants_delivery(BatchEnd server, list grants):
+    """A :class:`_GrantsDelivery` of ``grants`` to ``server``, made without a Python call."""
+    cdef _GrantsDelivery delivery = _GrantsDelivery.__new__(_GrantsDelivery)
+    delivery.server = server
+    delivery.grants = grants
+    return delivery
 
 
 cdef class BatchEnd:
@@ -634,12 +711,22 @@ cdef class BatchEnd:
         wal = <object>self.wal
         cdef GroupCommit commit = self.commit
         # at every batch end (key puts make no table events); maybe_snapshot's own first check inline:
-        # a snapshot is due from the snapshotter's next LSN or byte count on
+        # a snapshot is due from the snapshotter's next LSN or byte count on.  Its two marks are kept
+        # here as C integers (read again whenever the log passes them): they only rise while the log
+        # is open (a snapshot started), so marks kept below the snapshotter's are read again, never missed
         snaps = self.snapshots
-        if ((commit.next_lsn > snaps.next_due or commit.io.bytes >= snaps.next_due_bytes)
-                and wal.maybe_snapshot(server.snapshot_state)):
-            _relog_running(wal, table)
-            server.revoke_deadlines.relog(wal, _monotonic_ms())
+        if (snaps is not self.snapshots_read or <long long>commit.next_lsn > self.snapshot_due_lsn
+                or commit.io.bytes >= self.snapshot_due_bytes):
+            due_lsn = snaps.next_due
+            due_bytes = snaps.next_due_bytes
+            self.snapshot_due_lsn = due_lsn
+            self.snapshot_due_bytes = due_bytes
+            self.snapshots_read = snaps
+            if ((commit.next_lsn > due_lsn or commit.io.bytes >= due_bytes)
+                    and wal.maybe_snapshot(server.snapshot_state)):
+                from .lockdelays import relog_running  # (lockdelays imports this module: not at its start)
+                relog_running(wal, table)
+                server.revoke_deadlines.relog(wal, _monotonic_ms())
         nd = table_next_deadline(table)
         cdef ExpiryWire expiry = self.expiry
         if nd >= 0 and (expiry.handle is None or nd < expiry.at_ms) and self.roles.expires_leases:
@@ -684,9 +771,10 @@ cdef class BatchEnd:
             if ev.kind == _EV_GRANTED:
                 if ev.fresh:
                     meta = ev.meta
-                    wal.append_grant(ev.name, ev.token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
+                    token = ev.token
+                    wal.append_grant(ev.name, token, ev.owner, ev.ttl_ms, ev.lock_delay_ms, meta[0], meta[1],
                                      ev.shared, ev.limit)
-                    revisions.logged(ev.name, "granted", ev.token, meta)
+                    revisions.logged(ev.name, "granted", token, meta)
                     quotas.grant_event(ev)
                     if ev.token > self.granted_logged:
                         self.granted_logged = ev.token
@@ -716,21 +804,21 @@ cdef class BatchEnd:
             if commit.flush_first():
                 self.deliver_granted(grants)
             else:
-                commit.when_durable(_GrantsDelivery(self, grants))
+                commit.when_durable(_grants_delivery(self, grants))
             return
         ttl_bound = source.ttl
         # unpaired (not fencing): nothing promotes on this primary's silence, no bound (TtlBound.covers's own answer)
         if not source.fencing or ttl_bound.covers(self.max_ttl_ms):
             if sync.enabled:
-                deliver = sync.after(_GrantsDelivery(self, grants))
+                deliver = sync.after(_grants_delivery(self, grants))
             else:  # (sync.after's own, without a standby)
-                deliver = _GrantsDelivery(self, grants)
+                deliver = _grants_delivery(self, grants)
         else:  # rare: a TTL the standbys may not know yet waits for their word (replication/ttlbound.py)
             longest = 0
             for ev in grants:
                 if ev.ttl_ms > longest:
                     longest = ev.ttl_ms
-            deliver = sync.after(ttl_bound.after(_GrantsDelivery(self, grants), longest))
+            deliver = sync.after(ttl_bound.after(_grants_delivery(self, grants), longest))
         # (the group commit's own calls: WriteAheadLog.flush_first's and when_durable's)
         if commit.flush_first():  # relaxed fsync modes: a lone request's grant is written and acked now
             deliver()
@@ -753,8 +841,8 @@ cdef class BatchEnd:
         server = <object>self
         if self.source.fencing:  # (not paired: nothing to check)
             (<object>self.source).fence_if_due(_monotonic_ms())
-        if refused_by is None and _ACQUIRE in self.roles.admitted:  # (NodeRole.may's own test)
-            rest = deliver_grants(self.limits.sessions, grants)
+        if refused_by is None and _admits(self, self.roles, _ACQUIRE):  # (NodeRole.may's own test)
+            rest = _deliver_grants(self.limits.sessions, grants)
             if rest:
                 server._deliver_rest(rest, None)
         else:
@@ -802,10 +890,14 @@ cdef class BatchEnd:
         self.wal.append_release(name, token)
         self.revisions.logged(name, "released", token, meta)
         handlers = self.handlers
-        if handlers.keys.space.by_lease:  # (keys attached to leases go with them)
-            handlers.keys.lease_ended(name, token, "released")
-        if handlers.sessions.attached_to:  # (leases attached to client sessions are detached)
-            handlers.sessions.lease_ended(name, token)
+        keys = handlers.keys
+        space = (<KeysWire>keys).space if isinstance(keys, KeysWire) else keys.space
+        if space.by_lease:  # (keys attached to leases go with them)
+            keys.lease_ended(name, token, "released")
+        sessions = handlers.sessions
+        attached = (<SessionsWire>sessions).attached_to if isinstance(sessions, SessionsWire) else sessions.attached_to
+        if attached:  # (leases attached to client sessions are detached)
+            sessions.lease_ended(name, token)
         self.quotas.lease_ended(token, meta, None, name)
 
 
@@ -852,7 +944,7 @@ cdef class QuotaCounts:
         if leases:
             held = len(u.leases) + u.waiting
             delays = self.delays
-            if delays.per_principal:  # (empty exactly when no lock-delay runs)
+            if _running(delays):  # (empty exactly when no lock-delay runs)
                 delays.ended(_monotonic_ms())
                 held += delays.per_principal.get(principal, 0)
             _quota_check(self.leases, principal, held, leases)
@@ -861,7 +953,7 @@ cdef class QuotaCounts:
     cpdef lock_delay_count(self, now):
         """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
         delays = self.delays
-        if not delays.per_principal:  # (empty exactly when no lock-delay runs)
+        if not _running(delays):  # (empty exactly when no lock-delay runs)
             return 0
         delays.ended(now)
         return len(delays)
@@ -889,19 +981,16 @@ cdef class QuotaCounts:
         """A fresh EV_GRANTED: a waiter's grant moves it from waiting to holding
         (an immediate grant was counted by :meth:`acquired`, and is not counted again even
         when its lease ended before this event: released in the same batch)."""
+        token = ev.token
         counted_now = self.counted_now
-        if counted_now:
-            token = ev.token
-            if token in counted_now:
-                counted_now.discard(token)
-                return
+        if counted_now and PySet_Discard(counted_now, token) == 1:  # (it was there)
+            return
         meta = ev.meta
         # principal_of's remembered answer, inline (the common case)
         principal = self._principal_of.get(meta[0]) if meta and type(meta[0]) is str else None
         if principal is None:
             principal = (<object>self).principal_of(meta)
         cdef UsageWire u = <UsageWire?>(self.usage.get(principal) or (<object>self).of(principal))
-        token = ev.token
         if token in u.leases:
             return
         if u.waiting:
@@ -930,6 +1019,15 @@ cdef class QuotaCounts:
             if _uncount(u.leases, token, name):
                 return
         self.ended_early.add(token)  # a waiter's grant not yet processed (grant_event)
+
+
+cdef inline _acquired_one(QuotaCounts quotas, UsageWire u, object status, object name, object last_token):
+    """:meth:`QuotaCounts.acquired` of one lock ``name`` (its lease, if granted now, is ``last_token``)."""
+    if status == _GRANTED:
+        u.leases[last_token] = name
+        quotas.counted_now.add(last_token)
+    elif status == _QUEUED:
+        u.waiting += 1
 
 
 cdef bint _uncount(dict leases, object token, object name):

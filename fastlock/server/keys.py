@@ -102,6 +102,7 @@ from ..protocol.ops import (
 from ..roles import Action
 from ..units import monotonic_ms, wall_ms
 from ..wal.keyspace import KeyEntry, KeySpace
+from ._wire import KeysWire
 from .keyrevisions import WHOLE, Kept
 from .shares import limit_exceeded
 from .watchlog import REPLAY_PAGE, REPLAY_PAGE_BYTES
@@ -134,7 +135,7 @@ def check_prefix(prefix: object) -> str:
     return P.check_name(prefix) if prefix else prefix
 
 
-class KeyStore:
+class KeyStore(KeysWire):
     """The server's key space, its prefix watches and the key operations' handlers."""
 
     def __init__(self, server: LockServer):

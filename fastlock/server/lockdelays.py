@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..units import monotonic_ms, wall_ms
+from ._wire import DelaysWire
 
 
 def log_expired(wal: Any, ev: Any) -> None:
@@ -50,11 +51,12 @@ def install_recovered(table: Any, delays: list[tuple[str, int]], now: int) -> in
     return installed
 
 
-class RunningDelays:
+class RunningDelays(DelaysWire):
     """The running lock-delays, each counted against a principal until it ends:
-    ``per_principal`` (principal -> how many; empty exactly when none runs), ``len()`` all of them."""
+    ``per_principal`` (principal -> how many; empty exactly when none runs; a field of its
+    compiled base), ``len()`` all of them."""
 
-    __slots__ = ("_heap", "per_principal")
+    __slots__ = ("_heap",)
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, str]] = []  # (end on the monotonic clock in ms, principal)

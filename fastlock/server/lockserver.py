@@ -160,7 +160,7 @@ class LockServer(BatchEnd):
         #: the node's role, fence and grace: every "may this node ... now?" is asked here
         self.roles = NodeRole(Role.STANDBY if standby_of or config.coordinator else Role.PRIMARY,
                               hold_grants_until=self.table.hold_grants_until, now_ms=monotonic_ms,
-                              primary_address=primary_address)
+                              primary_address=primary_address, on_admitted=self._admitted_changed)
         credentials = config.credentials if config.credentials is not None else Credentials.open_mode()
         if config.auth_secret is not None:
             credentials = credentials.with_shared_secret(config.auth_secret)
@@ -619,6 +619,11 @@ class LockServer(BatchEnd):
         """The time to give the lock table: a standby's table runs on frozen time
         (0) so that it never expires a lease itself; only a primary expires."""
         return monotonic_ms() if self.roles.expires_leases else 0
+
+    def _admitted_changed(self, admitted: frozenset) -> None:
+        """The roles' ``on_admitted``: the actions admitted now, kept as the slot the compiled
+        request path tests (``BatchEnd.admitted``)."""
+        self.admitted = admitted
 
     def _rearm(self) -> None:
         nd = self.table.next_deadline()

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
 from ..errors import Cancelled, FastlockError, LimitExceeded, LockNotAcquired
+from ._wire import ReclaimWire
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
@@ -64,7 +65,7 @@ class _Queue:
         self.parked: list[Parked] = []
 
 
-class ReclaimGate:
+class ReclaimGate(ReclaimWire):
     """The locks whose old waiters may still reclaim their places (see the module).
 
     ``enter(conn, req_id, msg, name, owner, priority)`` runs an acquire now (the handler's);

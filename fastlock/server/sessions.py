@@ -73,6 +73,7 @@ from ..errors import (
 from ..logsafe import quote
 from ..roles import Action
 from ..units import monotonic_ms
+from ._wire import SessionsWire
 from .kinds import SequencedAs, renewal_sequencer, sequenced_as
 from .lockadmin import MAX_REASON_CHARS, check_lock_admin, not_the_holder
 
@@ -194,7 +195,7 @@ class ClientSession:
                 "ttl_left_ms": max(0, self.deadline_ms() - now), "age_ms": now - self.opened_ms}
 
 
-class SessionRegistry:
+class SessionRegistry(SessionsWire):
     """The client sessions of one server and their ops (SESSION_OPEN, SESSION_ATTACH,
     SESSION_KEEPALIVE, SESSION_CLOSE, SESSIONS, SESSION_REVOKE).
 
