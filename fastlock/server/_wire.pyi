@@ -48,6 +48,18 @@ class LimitsWire:
     sessions: dict[int, Any]
     idle_timeout_ms: int
 
+class DelaysWire:
+    per_principal: dict[str, Any]
+
+class ReclaimWire:
+    queues: dict[str, Any]
+
+class SessionsWire:
+    attached_to: dict[Any, Any]
+
+class KeysWire:
+    space: Any
+
 class SessionWire:
     server: Any
     session: int
@@ -72,6 +84,7 @@ class SessionWire:
     def owner_hash(self, owner: Any) -> bytes: ...
 
 class BatchEnd:
+    admitted: frozenset[Any] | None
     in_batch_end: bool
     batch_end_owed: bool
     granted_logged: int
