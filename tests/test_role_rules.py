@@ -199,10 +199,11 @@ def test_a_manual_promotion_deposes_a_live_primary_which_drops_its_clients(clust
                 await asyncio.wait_for(queued, 5)
             old = await RawNode.open(p.address)
             try:
-                assert old.hello["role"] == "deposed"
+                # deposed, or already rejoined as the new primary's standby (its peer check may run first)
+                assert old.hello["role"] in ("deposed", "standby")
                 with pytest.raises(NotPrimary) as info:
                     await old.release("k", token, owner)
-                assert info.value.primary is None
+                assert info.value.primary in (None, s.address)
             finally:
                 await old.close()
             new = await RawNode.open(s.address)
