@@ -325,6 +325,17 @@ def test_acquire_and_release_answer_alike_called_directly_or_through_a_wrapped_h
     assert all(reply[1] != 0 for reply in got[0])
 
 
+def _wait_all_written(server: ServerProcess, timeout: float = 10.0) -> None:
+    """Poll the server's STATUS until every record it logged is written (``timeout`` seconds at most)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wal = server.status()["wal"]
+        if wal["written_lsn"] == wal["last_lsn"]:
+            return
+        assert time.monotonic() < deadline, wal
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("fsync", ["always", "never"])
 def test_a_lease_released_in_its_grants_batch_stays_released_after_kill9(server_factory, fsync):
     """An ACQUIRE granted at once and the RELEASE of its lease read in the same batch (one write):
@@ -342,13 +353,7 @@ def test_a_lease_released_in_its_grants_batch_stays_released_after_kill9(server_
         replies = {r[0]: r for r in (wire.reply(), wire.reply(), wire.reply())}
         assert replies[3][1] == 0 and replies[3][2][0] == token + 1, replies
         assert replies[4] == [4, 0, None] and replies[5] == [5, 0, None], replies
-    deadline = time.monotonic() + 10
-    while True:  # every record written (a release's rides on the loop turn after its reply)
-        wal = server.status()["wal"]
-        if wal["written_lsn"] == wal["last_lsn"]:
-            break
-        assert time.monotonic() < deadline, wal
-        time.sleep(0.02)
+    _wait_all_written(server)  # (a release's record rides on the loop turn after its reply)
     server.kill()
     again = server_factory("data", fsync=fsync)
     with RawWire(again.port) as wire:
@@ -389,13 +394,7 @@ def test_every_record_naming_a_lease_granted_in_its_batch_follows_the_grants_rec
             replies.setdefault(reply[0], reply)
         assert [replies[i][1] for i in (4, 5, 6, 7, 8, 9, 10, 12)] == [0] * 8, replies
         assert replies[5][2] == 120_000 and replies[7][2] is True and replies[9][2]["attached"] == 1, replies
-    deadline = time.monotonic() + 10
-    while True:  # every record written
-        wal = server.status()["wal"]
-        if wal["written_lsn"] == wal["last_lsn"]:
-            break
-        assert time.monotonic() < deadline, wal
-        time.sleep(0.02)
+    _wait_all_written(server)
     server.kill()
     dump = subprocess.run([sys.executable, "-m", "fastlock.wal", "dump", "-o", "json", str(server.data_dir)],
                           capture_output=True, text=True, timeout=60, check=True)

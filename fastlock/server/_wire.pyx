@@ -369,15 +369,20 @@ cdef class SessionWire:
                 self.flush()
 
 
-cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_ms):
-    """``[req_id, 0, [token, ttl_ms, waited_ms]]``, the reply of a granted ACQUIRE (ints)."""
-    cdef unsigned char buf[48]
+cdef inline Py_ssize_t _grant_head(unsigned char *buf, object req_id) except -1:
+    """Write ``[req_id, 0, [`` of a grant's reply (a 3-array whose third item is a 3-array); return its bytes."""
     cdef Py_ssize_t n
     buf[0] = 0x93
     n = 1 + _put_int(buf + 1, req_id)
     buf[n] = 0x00
     buf[n + 1] = 0x93
-    n += 2
+    return n + 2
+
+
+cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_ms):
+    """``[req_id, 0, [token, ttl_ms, waited_ms]]``, the reply of a granted ACQUIRE (ints)."""
+    cdef unsigned char buf[48]
+    cdef Py_ssize_t n = _grant_head(buf, req_id)
     n += _put_int(buf + n, token)
     n += _put_int(buf + n, ttl_ms)
     n += _put_int(buf + n, waited_ms)
@@ -387,12 +392,7 @@ cpdef bytes ok_grant(object req_id, object token, object ttl_ms, object waited_m
 cdef bytes _grant_reply(object req_id, int64_t token, int64_t ttl_ms, int64_t waited_ms):
     """:func:`ok_grant` of an event's C integers (no int objects made for them)."""
     cdef unsigned char buf[48]
-    cdef Py_ssize_t n
-    buf[0] = 0x93
-    n = 1 + _put_int(buf + 1, req_id)
-    buf[n] = 0x00
-    buf[n + 1] = 0x93
-    n += 2
+    cdef Py_ssize_t n = _grant_head(buf, req_id)
     n += _put_c_int(buf + n, token)
     n += _put_c_int(buf + n, ttl_ms)
     n += _put_c_int(buf + n, waited_ms)
