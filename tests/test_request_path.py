@@ -340,7 +340,7 @@ def _wait_all_written(server: ServerProcess, timeout: float = 10.0) -> None:
 def test_a_lease_released_in_its_grants_batch_stays_released_after_kill9(server_factory, fsync):
     """An ACQUIRE granted at once and the RELEASE of its lease read in the same batch (one write):
     the grant's record is logged before the release's, so the log replayed after kill -9 leaves
-    the lock free (before, the release's record came first and recovery held the lease again)."""
+    the lock free (a release record ahead of its grant's would be skipped, and the lease held again)."""
     owner = b"0123456789abcdef"
     server = server_factory("data", fsync=fsync)
     with RawWire(server.port) as wire:
