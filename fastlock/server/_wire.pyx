@@ -682,6 +682,15 @@ cdef class _GrantsDelivery:
         self.server.deliver_granted(self.grants, refused)
 
 
+cdef inline int _flush_dirty(list dirty) except -1:
+    """Flush every connection queued in ``dirty`` (the batch end's list), then empty it."""
+    if dirty:
+        for conn in dirty:  # (SessionWire.send queues a connection here; TypeError for anything else)
+            (<SessionWire?>conn).flush()
+        dirty.clear()
+    return 0
+
+
 cdef inline _GrantsDelivery _grants_delivery(BatchEnd server, list grants):
     """A :class:`_GrantsDelivery` of ``grants`` to ``server``, made without a Python call."""
     cdef _GrantsDelivery delivery = _GrantsDelivery.__new__(_GrantsDelivery)
@@ -743,14 +752,16 @@ cdef class BatchEnd:
         cdef QueuesWire queues = self.queues
         if queues.dirty or queues.informed or self.source.replicas:
             (<object>queues).batch_end()  # changed waiter queues go to the standby
+        # the replies queued so far go out first: none of them waits for a sync (a reply that does
+        # is queued by its when_durable callback), and the poll below may block on one - a hand-off's
+        # batch (the release's and the next grant's records) written and fdatasync'd on the loop -
+        # while the clients read them
+        _flush_dirty(self.dirty)
         # a batch the WAL thread finished meanwhile is acknowledged now, not after this turn
-        # (WriteAheadLog.poll's own call)
+        # (WriteAheadLog.poll's own call); the replies its callbacks queue are flushed by the batch
+        # end they owe (GroupCommit._io_done), else here
         commit.poll()
-        cdef list dirty = self.dirty
-        if dirty:
-            for conn in dirty:  # (SessionWire.send queues a connection here; TypeError for anything else)
-                (<SessionWire?>conn).flush()
-            dirty.clear()
+        _flush_dirty(self.dirty)
         self.batch_end_owed = False
 
     cpdef process_events(self, list events):
