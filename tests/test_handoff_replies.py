@@ -78,8 +78,10 @@ def test_a_handoffs_release_is_answered_before_the_grants_sync(server_factory, t
             marker.touch()
             try:
                 await asyncio.wait_for(holder.release("contended", token, owner), 5)
-                assert (tmp_path / "stall-fsync.stalled").exists()  # answered while the grant's sync stalls
-                assert not granted.done()  # the grant waits for its record's sync
+                # answered before the grant's sync, which now stalls: the grant waits for it
+                await poll(lambda: asyncio.sleep(0, (tmp_path / "stall-fsync.stalled").exists()), timeout=5,
+                           what="the grant's fdatasync stalled")
+                assert not granted.done()
             finally:
                 marker.unlink()
             next_token, _, _ = await asyncio.wait_for(granted, 10)
