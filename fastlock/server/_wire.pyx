@@ -712,6 +712,10 @@ cdef class BatchEnd:
 
     cpdef after_batch(self):
         """The batch end: log and deliver the table's events, re-arm the timer, flush replies."""
+        if self.batch_end_owed:
+            # owed by a delivery of grants whose records are now durable (a written batch's
+            # callbacks, GroupCommit._io_done): their replies go out before this batch end's work
+            _flush_dirty(self.dirty)
         server = <object>self
         table = self.table
         # grants acknowledged at once (a relaxed fsync mode) are delivered inside its loop and
