@@ -28,11 +28,12 @@ fsync probe
 
 Per run: microseconds per hand-off (the target's figure, the measured span over the
 grants in it), the hand-off gap p50 (a holder's RELEASE sent -> the next holder's grant
-received, one clock: the part a server can change) and the hold p50 (``asyncio.sleep``
-oversleeps).  fastlock runs under a thin timer (as ``benches.durable_path``'s): per
-RELEASE read, the time until the next grant's reply is handed to its transport, whether
-that happened within the same read (the batch written and synced on the loop, no thread
-hop), that time less the ``fdatasync`` in it, and the server's own ``fdatasync`` p50.
+received, one clock: the part a server can change), the hold p50 (``asyncio.sleep``
+oversleeps) and the releasing client's RELEASE round trip p50.  fastlock runs under a thin
+timer (as ``benches.durable_path``'s): per RELEASE read, the time until the next grant's
+reply is handed to its transport, whether that happened within the same read (the batch
+written and synced on the loop, no thread hop), that time less the ``fdatasync`` in it,
+and the server's own ``fdatasync`` p50.
 
 Rounds alternate the order of the modes and of the servers (the machine is small and
 shared); medians over rounds are printed.  Every server is on 127.0.0.1 with a free port
@@ -294,9 +295,11 @@ class LibClient:
 async def w3(kind: Any, port: int, clients: int, hold_s: float, seconds: float) -> dict[str, float]:
     """``clients`` connections of ``kind`` on one lock, each acquiring, holding ``hold_s`` and
     releasing, for ``WARMUP_S`` + ``seconds``: microseconds per hand-off over the measured
-    grants, the gap p50 (a RELEASE sent -> the next grant received) and the hold p50."""
+    grants, the gap p50 (a RELEASE sent -> the next grant received), the hold p50 and the
+    release's round trip p50."""
     conns = [await kind.open(port) for _ in range(clients)]
     events: list[tuple[int, int, int]] = []  # (grant received ns, release sent ns, token)
+    releases: list[tuple[int, int]] = []  # (release sent ns, its round trip ns)
     clock = time.perf_counter_ns
     start = clock()
     measure = start + int(WARMUP_S * 1e9)
@@ -312,6 +315,7 @@ async def w3(kind: Any, port: int, clients: int, hold_s: float, seconds: float) 
             released = clock()
             events.append((granted, released, token))
             await c.release(token)
+            releases.append((released, clock() - released))
 
     try:
         await asyncio.wait_for(asyncio.gather(*(one(c) for c in conns)), WARMUP_S + seconds + 30)
@@ -325,11 +329,14 @@ async def w3(kind: Any, port: int, clients: int, hold_s: float, seconds: float) 
     counted = [e for e in events if measure <= e[0] < end]
     gaps = [b[0] - a[1] for a, b in zip(events, events[1:]) if measure <= b[0] < end]
     holds = [e[1] - e[0] for e in counted]
+    answered = [rtt for sent, rtt in releases if measure <= sent < end]
     if len(counted) < 2:
         raise RuntimeError(f"only {len(counted)} grants measured")
     span = counted[-1][0] - counted[0][0]
     return {"us_per_handoff": span / (len(counted) - 1) / 1e3, "gap_p50_us": statistics.median(gaps) / 1e3,
-            "hold_p50_us": statistics.median(holds) / 1e3, "handoffs": len(counted)}
+            "hold_p50_us": statistics.median(holds) / 1e3,
+            "release_p50_us": statistics.median(answered) / 1e3 if answered else float("nan"),
+            "handoffs": len(counted)}
 
 
 # --------------------------------------------------------------------------- #
@@ -404,7 +411,7 @@ def one_round(rnd: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
 
 #: the clients each server is measured with
 CLIENTS = {"fastlock": ("lib", "raw"), "baseline": ("lib", "raw"), "reference": ("raw",)}
-KEYS = ("us_per_handoff", "gap_p50_us", "hold_p50_us")
+KEYS = ("us_per_handoff", "gap_p50_us", "hold_p50_us", "release_p50_us")
 SERVER_KEYS = ("server_handoff_p50_us", "server_inline_share", "server_beyond_sync_p50_us", "server_fsync_p50_us",
                "thread_fsync_share")
 
@@ -437,7 +444,7 @@ def report(s: dict[str, float]) -> str:
             if f"{server} never {client} us_per_handoff" not in s:
                 continue
             for key, what in (("us_per_handoff", "per hand-off"), ("gap_p50_us", "gap p50 (release sent -> grant)"),
-                              ("hold_p50_us", "hold p50")):
+                              ("hold_p50_us", "hold p50"), ("release_p50_us", "release round trip p50")):
                 never, always = s[f"{server} never {client} {key}"], s[f"{server} always {client} {key}"]
                 bound = f"{always / ((never + probe) / 0.97):.3f}" if key == "us_per_handoff" else ""
                 lines.append(f"| {server}, {names[client]}: {what} | {never:.0f} | {always:.0f} | "
