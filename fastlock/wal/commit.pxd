@@ -48,6 +48,7 @@ cdef class GroupCommit:
     cdef inline bint _lone_batch(self, bint concurrent, Py_ssize_t *run) noexcept
     cpdef _kick(self, bint concurrent=*)
     cpdef _io_done(self, Batch batch, bint concurrent=*)
+    cdef inline void _schedule_kick(self)
     cpdef when_durable(self, callback)
     cpdef when_durable_later(self, callback)
     cdef bint _keep_waiter(self, object callback, bint forcing) except -1

@@ -177,9 +177,7 @@ cdef class GroupCommit:
         if fsync:
             pending.fsync = True
         self.next_lsn += 1
-        if not self._scheduled and self._inflight is None and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon(self._kick_soon)
+        self._schedule_kick()
 
     cpdef add_lease_record(self, kind: int, name: str, token: int, wall_ms: int):
         """:meth:`add` of the record ``[kind, name, token, wall_ms]`` (a RELEASE's, an EXPIRE's),
@@ -187,9 +185,7 @@ cdef class GroupCommit:
         pending = self._pending
         pending.last_frame = append_lease_record(pending.buf, kind, name, token, wall_ms, MAX_RECORD_BYTES)
         self.next_lsn += 1
-        if not self._scheduled and self._inflight is None and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon(self._kick_soon)
+        self._schedule_kick()
 
     cpdef add_grant_record(self, kind: int, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
                            client_name: str | None, correlation_id: str | None, wall_ms: int):
@@ -203,15 +199,18 @@ cdef class GroupCommit:
             return False
         pending.last_frame = frame
         self.next_lsn += 1
-        if not self._scheduled and self._inflight is None and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon(self._kick_soon)
+        self._schedule_kick()
         return True
 
-    def _schedule(self) -> None:
+    cdef inline void _schedule_kick(self):
+        """Hand the pending batch over at the end of this loop turn (``_kick_soon``), unless that
+        is scheduled already or a batch is in flight (its completion hands the next one over)."""
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
             self.loop.call_soon(self._kick_soon)
+
+    def _schedule(self) -> None:
+        self._schedule_kick()
 
     def _kick_soon(self) -> None:
         # one scheduled hand-off per loop turn at most: a batch written meanwhile by
@@ -343,15 +342,12 @@ cdef class GroupCommit:
         if self._pending.buf or self._pending.fsync_requested:
             if not concurrent:
                 self._kick()
-            elif not self._scheduled:
+            else:
                 # a batch the thread finished: the next one is handed over at the end of this
                 # loop turn, with the records of every request the turn reads (as the first
                 # batch after an idle moment is), not with those read so far
                 self._after_thread = True
-                self._scheduled = True
-                self.loop.call_soon(self._kick_soon)
-            else:
-                self._after_thread = True
+                self._schedule_kick()
 
     def _report(self, exc: BaseException, message: str) -> None:
         if self.loop is None:  # not started: nobody else would hear of it
