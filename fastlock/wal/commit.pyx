@@ -1,4 +1,4 @@
-# cython: language_level=3, annotation_typing=False
+# cython: language_level=3, annotation_typing=False, nonecheck=True
 """Group commit on the event loop: batches, the one batch in flight, durability callbacks.
 
 :class:`GroupCommit` collects the frames logged during a turn of the loop
