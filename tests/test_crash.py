@@ -232,3 +232,49 @@ def test_sigkill_after_a_lone_durable_grant_keeps_it(tmp_path):
         _run(asyncio.wait_for(main(), 60))
     finally:
         srv.stop()
+
+
+def test_power_cut_in_always_mode_keeps_every_grant_acknowledged_to_clients_waiting_together(tmp_path):
+    """``--fsync always``, 24 clients acquiring and releasing together, some on a shared lock (a
+    release hands it to a waiter): the grants of a loop turn's batch ends are acknowledged by one
+    durability callback of the written batch; none is answered before its record's fsync, so the
+    segment cut back to its fsynced size (a power cut) after a SIGKILL keeps every lease the
+    clients were told they hold, and the next token is above every one acknowledged."""
+    srv = ServerProcess(tmp_path / "data", fsync="always")
+
+    async def main():
+        await asyncio.to_thread(srv.start)
+        clients = [await fastlock.connect(srv.address, client_name=f"tg-{i}").__aenter__() for i in range(24)]
+        try:
+            async def work(i: int, c) -> list:
+                held = []
+                for j in range(20):
+                    name = "tg/shared" if j % 5 == 0 else f"tg/own-{i}"
+                    lease = await c.acquire(name, ttl=30.0, wait=30.0)
+                    if j == 19:
+                        held.append(lease)
+                        break
+                    await c.release(lease)
+                held.append(await c.acquire(f"tg/held-{i}", ttl=30.0))
+                return held
+
+            held = [lease for got in await asyncio.gather(*(work(i, c) for i, c in enumerate(clients)))
+                    for lease in got]
+            wal = (await clients[0].status())["wal"]
+        finally:
+            for c in clients:
+                await c.__aexit__(None, None, None)
+        assert wal["thread_fsyncs"] > 0, wal  # (the clients waited together: batches on the writer thread)
+        srv.kill()
+        power_cut(srv.data_dir / wal["active_segment"], wal["durable_offset"])
+        await asyncio.to_thread(srv.start)
+        async with fastlock.connect(srv.address, client_name="tg-check") as c:
+            for lease in held:
+                assert await c.check(lease.name, lease.fencing_token), lease.name
+            nxt = await c.acquire("tg/next", ttl=30.0)
+            assert nxt.fencing_token > max(lease.fencing_token for lease in held)
+
+    try:
+        _run(asyncio.wait_for(main(), 60))
+    finally:
+        srv.stop()

@@ -1418,3 +1418,79 @@ def test_a_snapshot_without_imports_reads_as_none_and_bad_imports_are_refused(tm
     raw.write_bytes(head + body + F.U32.pack(F.crc32(body, F.crc32(head))))
     with pytest.raises(WalCorruption):
         load_snapshot(str(raw))
+
+
+async def test_a_waiter_joined_by_later_records_runs_once_after_their_sync(tmp_path, monkeypatch):
+    """``GroupCommit.pending_waiter`` / ``join_waiter``: while the records of the last
+    ``when_durable`` waiter are still pending, a caller may join it instead of keeping a waiter of
+    its own; the callback then runs once, after the fsync of the batch holding the joined
+    records too, never before.  A waiter whose records were handed over, or that asks for no
+    sync (``when_durable_later``), is not offered; join_waiter without one raises."""
+    wal, _ = await started(tmp_path, "thread")
+    commit = wal.group_commit
+    gate, entered = threading.Event(), threading.Event()
+
+    def datasync(fd):
+        entered.set()
+        gate.wait(10)
+        return COMPILED_DISK.datasync(fd)
+
+    patch_disk(wal, monkeypatch, datasync=datasync)
+    loop = asyncio.get_running_loop()
+    assert commit.pending_waiter() is None  # no waiter
+    with pytest.raises(RuntimeError):
+        commit.join_waiter()
+    runs: list[int] = []
+    done = loop.create_future()
+
+    def callback():
+        runs.append(wal.stats()["durable_lsn"])
+        done.set_result(None)
+
+    grant(wal, "a", 1)
+    wal.when_durable(callback)
+    assert commit.pending_waiter() is callback
+    for c in (2, 3):  # two later batch ends' records join it
+        grant(wal, f"b{c}", c)
+        assert commit.pending_waiter() is callback
+        commit.join_waiter()
+    await asyncio.sleep(0)  # the turn ends: the batch (1..3) goes to the thread, which waits at the gate
+    await loop.run_in_executor(None, entered.wait, 10)
+    assert commit.pending_waiter() is None  # handed over: a later record cannot join it
+    grant(wal, "c", 4)
+    assert commit.pending_waiter() is None
+    with pytest.raises(RuntimeError):
+        commit.join_waiter()
+    assert runs == []
+    gate.set()
+    await done
+    assert runs == [3]  # once, after the sync of all three records
+    wal.when_durable_later(lambda: None)  # asks for no sync: not offered
+    assert commit.pending_waiter() is None
+    await durable(wal)
+    assert runs == [3]
+    await wal.close()
+    assert reopen(tmp_path).counter == 4
+
+
+async def test_each_join_counts_as_a_waiter_for_the_lone_batches(tmp_path):
+    """The auto writer syncs a batch on the loop only when at most one ``when_durable`` waits on
+    it: a waiter joined once (``join_waiter``) stands for two, so its batch goes to the thread
+    and the lone run starts again."""
+    wal, _ = await started(tmp_path, "auto")
+    commit = wal.group_commit
+    c = await alone_for_lone_batches(wal)
+    assert wal.stats()["thread_fsyncs"] == LONE_BATCHES - 1  # the last one on the loop
+    before = wal.stats()["thread_fsyncs"]
+    c += 1
+    grant(wal, "one", c)
+    fut = asyncio.get_running_loop().create_future()
+    wal.when_durable(lambda: fut.set_result(None))
+    c += 1
+    grant(wal, "two", c)
+    commit.join_waiter()
+    await fut
+    assert wal.stats()["thread_fsyncs"] == before + 1  # two waiters: on the thread
+    await alone_for_lone_batches(wal, c)
+    assert wal.stats()["thread_fsyncs"] == before + LONE_BATCHES  # alone again: the thread, then the loop
+    wal.abort()

@@ -115,3 +115,31 @@ def test_a_typed_slot_read_while_none_raises_instead_of_crashing(call):
         """)
     assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr}"
     assert "Error:" in done.stdout
+
+
+# the group commit's compiled entry points, called before __init__ set the typed slots they read
+# (its pending batch, its commit: each still None)
+_COMMIT_BEFORE_INIT = {
+    "GroupCommit.add_lease_record": "GroupCommit.__new__(GroupCommit).add_lease_record(2, 'a', 1, 0)",
+    "GroupCommit.add_grant_record":
+        "GroupCommit.__new__(GroupCommit).add_grant_record(1, 'a', 1, b'o', 1000, 0, None, None, 0)",
+    "LogAppender.log_release": "LogAppender.__new__(LogAppender).log_release('a', 1)",
+}
+
+
+@pytest.mark.parametrize("call", sorted(_COMMIT_BEFORE_INIT))
+def test_a_group_commit_slot_read_while_none_raises_instead_of_crashing(call):
+    """``fastlock.wal.commit`` reads its typed slots (``GroupCommit._pending``,
+    ``LogAppender._commit``, ...) by C field access: one still None (``__init__`` not run) raises
+    AttributeError or TypeError (the module's ``nonecheck``) instead of reading or writing None's
+    memory as that class."""
+    done = _run(f"""
+        from fastlock.wal.commit import GroupCommit, LogAppender
+
+        try:
+            {_COMMIT_BEFORE_INIT[call]}
+        except (AttributeError, TypeError) as exc:
+            print(type(exc).__name__ + ":", exc)
+        """)
+    assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr}"
+    assert "Error:" in done.stdout

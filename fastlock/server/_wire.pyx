@@ -699,6 +699,21 @@ cdef inline _GrantsDelivery _grants_delivery(BatchEnd server, list grants):
     return delivery
 
 
+cdef inline int _deliver_when_durable(BatchEnd server, GroupCommit commit, list grants) except -1:
+    """``commit.when_durable(_grants_delivery(server, grants))``, unless the last waiter is a
+    delivery of this server's whose records are all still pending (an earlier batch end's in
+    this loop turn): that one then delivers ``grants`` too, after its own, and waits for their
+    records as well (``GroupCommit.join_waiter``) - one callback per written batch, not one per
+    batch end."""
+    last = commit.pending_waiter()
+    if type(last) is _GrantsDelivery and (<_GrantsDelivery>last).server is server:
+        commit.join_waiter()
+        (<_GrantsDelivery>last).grants.extend(grants)
+    else:
+        commit.when_durable(_grants_delivery(server, grants))
+    return 0
+
+
 cdef class BatchEnd:
     """The compiled base of :class:`fastlock.server.lockserver.LockServer`: the batch end
     (:meth:`after_batch`), the acknowledgement of a batch of grants (:meth:`deliver_granted`)
@@ -819,7 +834,7 @@ cdef class BatchEnd:
             if commit.flush_first():
                 self.deliver_granted(grants)
             else:
-                commit.when_durable(_grants_delivery(self, grants))
+                _deliver_when_durable(self, commit, grants)
             return
         ttl_bound = source.ttl
         # unpaired (not fencing): nothing promotes on this primary's silence, no bound (TtlBound.covers's own answer)

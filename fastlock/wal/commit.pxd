@@ -31,6 +31,7 @@ cdef class GroupCommit:
     cdef bint _flushed_in_turn
     cdef object _inflight
     cdef object _waiters
+    cdef object _last_waiter  # the _Waiter appended last to _waiters (while _waiters holds any)
     cdef Py_ssize_t _forcing
     cdef list _sync_waiters
     cdef public list listeners
@@ -48,7 +49,10 @@ cdef class GroupCommit:
     cdef inline bint _lone_batch(self, bint concurrent, Py_ssize_t *run) noexcept
     cpdef _kick(self, bint concurrent=*)
     cpdef _io_done(self, Batch batch, bint concurrent=*)
+    cdef inline void _schedule_kick(self)
     cpdef when_durable(self, callback)
+    cpdef object pending_waiter(self)
+    cpdef join_waiter(self)
     cpdef when_durable_later(self, callback)
     cdef bint _keep_waiter(self, object callback, bint forcing) except -1
     cpdef bint flush_now(self) except -1

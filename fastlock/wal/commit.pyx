@@ -1,4 +1,4 @@
-# cython: language_level=3, annotation_typing=False
+# cython: language_level=3, annotation_typing=False, nonecheck=True
 """Group commit on the event loop: batches, the one batch in flight, durability callbacks.
 
 :class:`GroupCommit` collects the frames logged during a turn of the loop
@@ -69,11 +69,12 @@ cdef inline long long _wall_ms() noexcept:
 
 cdef class _Waiter:
     """A durability callback kept until the records logged before it are durable: ``lsn`` (the
-    last of them), ``callback``, ``forcing`` (it asks for a sync: ``when_durable``'s)."""
+    last of them), ``callback``, ``forcing``: the ``when_durable`` calls it stands for (1, and one
+    more for each :meth:`GroupCommit.join_waiter`; 0: ``when_durable_later``'s, asking for no sync)."""
 
     cdef long long lsn
     cdef object callback
-    cdef bint forcing
+    cdef Py_ssize_t forcing
 
 
 cdef class _Pending:
@@ -129,6 +130,7 @@ cdef class GroupCommit:
         self._flushed_in_turn = False  # flush_first wrote in this loop turn
         self._inflight = None
         self._waiters = collections.deque()  # _Waiter records, in LSN order
+        self._last_waiter = None
         #: the waiters in ``_waiters`` that ask for a sync (``when_durable``'s; ``when_durable_later``'s do not)
         self._forcing = 0
         self._sync_waiters = []  # (lsn, future) resolved when synced >= lsn
@@ -177,9 +179,7 @@ cdef class GroupCommit:
         if fsync:
             pending.fsync = True
         self.next_lsn += 1
-        if not self._scheduled and self._inflight is None and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon(self._kick_soon)
+        self._schedule_kick()
 
     cpdef add_lease_record(self, kind: int, name: str, token: int, wall_ms: int):
         """:meth:`add` of the record ``[kind, name, token, wall_ms]`` (a RELEASE's, an EXPIRE's),
@@ -187,9 +187,7 @@ cdef class GroupCommit:
         pending = self._pending
         pending.last_frame = append_lease_record(pending.buf, kind, name, token, wall_ms, MAX_RECORD_BYTES)
         self.next_lsn += 1
-        if not self._scheduled and self._inflight is None and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon(self._kick_soon)
+        self._schedule_kick()
 
     cpdef add_grant_record(self, kind: int, name: str, token: int, owner: bytes, ttl_ms: int, lock_delay_ms: int,
                            client_name: str | None, correlation_id: str | None, wall_ms: int):
@@ -203,15 +201,18 @@ cdef class GroupCommit:
             return False
         pending.last_frame = frame
         self.next_lsn += 1
-        if not self._scheduled and self._inflight is None and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon(self._kick_soon)
+        self._schedule_kick()
         return True
 
-    def _schedule(self) -> None:
+    cdef inline void _schedule_kick(self):
+        """Hand the pending batch over at the end of this loop turn (``_kick_soon``), unless that
+        is scheduled already or a batch is in flight (its completion hands the next one over)."""
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
             self.loop.call_soon(self._kick_soon)
+
+    def _schedule(self) -> None:
+        self._schedule_kick()
 
     def _kick_soon(self) -> None:
         # one scheduled hand-off per loop turn at most: a batch written meanwhile by
@@ -310,8 +311,7 @@ cdef class GroupCommit:
         try:
             while waiters and (<_Waiter>waiters[0]).lsn <= acked:
                 entry = <_Waiter>waiters.popleft()
-                if entry.forcing:
-                    self._forcing -= 1
+                self._forcing -= entry.forcing
                 cb = entry.callback
                 try:
                     cb()
@@ -320,6 +320,8 @@ cdef class GroupCommit:
         finally:
             if not outer:
                 owner.in_batch_end = False
+            if not waiters:
+                self._last_waiter = None  # (keeps no callback that ran alive)
         if not outer and owner.batch_end_owed:  # the callbacks' batch end: their replies flushed
             try:
                 owner.after_batch()
@@ -343,15 +345,12 @@ cdef class GroupCommit:
         if self._pending.buf or self._pending.fsync_requested:
             if not concurrent:
                 self._kick()
-            elif not self._scheduled:
+            else:
                 # a batch the thread finished: the next one is handed over at the end of this
                 # loop turn, with the records of every request the turn reads (as the first
                 # batch after an idle moment is), not with those read so far
                 self._after_thread = True
-                self._scheduled = True
-                self.loop.call_soon(self._kick_soon)
-            else:
-                self._after_thread = True
+                self._schedule_kick()
 
     def _report(self, exc: BaseException, message: str) -> None:
         if self.loop is None:  # not started: nobody else would hear of it
@@ -393,7 +392,33 @@ cdef class GroupCommit:
             self._forcing += 1
             if self.always and self.next_lsn - 1 > self.marks.synced:
                 self._pending.fsync_requested = True  # the records may be written already, unsynced
-                self._schedule()
+                self._schedule_kick()
+
+    cpdef object pending_waiter(self):
+        """The callback of the last :meth:`when_durable` waiter while every record it waits for is
+        still pending (in the batch being built, not handed to the writer), else None.  Its
+        caller may make that callback answer more (its own acknowledgements, after the ones it
+        holds) and :meth:`join_waiter` instead of keeping a waiter of its own: the callback runs
+        once, after the sync of the batch that holds both's records, as the two would."""
+        if not self._waiters:
+            return None
+        cdef _Waiter last = self._last_waiter
+        if last.forcing and last.lsn >= <long long>self._pending.first_lsn:
+            return last.callback
+        return None
+
+    cpdef join_waiter(self):
+        """The last waiter (:meth:`pending_waiter`'s) waits for the records logged so far too, as
+        a :meth:`when_durable` would; it counts as one more waiter (``LONE_BATCHES``).
+        :raises RuntimeError: there is no such waiter (nothing changed)."""
+        if self.pending_waiter() is None:
+            raise RuntimeError("GroupCommit.join_waiter: no when_durable waiter with pending records")
+        cdef _Waiter last = self._last_waiter
+        last.lsn = <long long>self.next_lsn - 1
+        last.forcing += 1
+        self._forcing += 1
+        # (its batch's sync is asked for already - by the waiter's when_durable, in always mode -
+        # and its hand-off scheduled by the records' add)
 
     cpdef when_durable_later(self, callback: Callable[[], Any]):
         """:meth:`when_durable` without asking for a sync: ``callback()`` runs on the loop once
@@ -422,6 +447,7 @@ cdef class GroupCommit:
         entry.callback = callback
         entry.forcing = forcing
         self._waiters.append(entry)
+        self._last_waiter = entry
         return True
 
     cpdef poll(self):
