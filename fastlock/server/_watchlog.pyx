@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, nonecheck=True
 """The watch history's per-change path, compiled (see fastlock/server/watchlog.py).
 
 :class:`HistoryWire` is the compiled base of
