@@ -132,4 +132,4 @@ cdef class BatchEnd:
     cpdef deliver_granted(self, list grants, refused_by=*)
     cpdef log_decided(self)
     cpdef log_decided_for(self, long long token)
-    cpdef released(self, name, token, meta)
+    cpdef released(self, name, token, meta, principal=*)

@@ -574,7 +574,7 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
         table_release(table, name, token, owner, now)
     except _NotHolder:
         raise handlers.not_holder(name, token) from None
-    server.released(name, token, meta)
+    server.released(name, token, meta, conn.grant_name)  # (the lease's principal, but for another's release)
     conn.send(ok_nil(req_id))
 
 
@@ -880,8 +880,11 @@ cdef class BatchEnd:
         if token > self.granted_logged:
             self.log_decided()
 
-    cpdef released(self, name, token, meta):
-        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
+    cpdef released(self, name, token, meta, principal=None):
+        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id),
+        None when not known); ``principal`` (str): the one the lease likely counts against (the
+        releasing connection's), whose usage the quotas uncount it from when ``meta`` is None
+        (:meth:`QuotaCounts.lease_ended`)."""
         self.wal.append_release(name, token)
         self.revisions.logged(name, "released", token, meta)
         handlers = self.handlers
@@ -891,7 +894,7 @@ cdef class BatchEnd:
         cdef SessionsWire sessions = handlers.sessions
         if sessions.attached_to:  # (leases attached to client sessions are detached)
             (<object>sessions).lease_ended(name, token)
-        self.quotas.lease_ended(token, meta, None, name)
+        self.quotas.lease_ended(token, meta, principal, name)
 
 
 # -- the per-principal quotas ---------------------------------------------------------------
@@ -998,8 +1001,10 @@ cdef class QuotaCounts:
     cpdef lease_ended(self, token, meta=None, principal=None, name=None):
         """The lease ``token`` (of lock ``name``, when known) was released, expired or revoked:
         uncount it.  Its principal from ``meta`` (the lease's), else ``principal`` (a likely
-        one), else searched among all (principals are few).  With ``name`` a lease sharing its
-        token with another lock's (a slot move imported one of them) is told apart."""
+        one: a RELEASE's connection's), in O(1); searched among all only when that one did not
+        count it (a lease released by another principal's connection, or ended before its grant
+        event counted it).  With ``name`` a lease sharing its token with another lock's (a slot
+        move imported one of them) is told apart."""
         if meta:
             # principal_of's remembered answer, inline (the common case)
             recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
