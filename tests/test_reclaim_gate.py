@@ -6,6 +6,8 @@ The end-to-end behaviours (real processes, kill -9) are in test_watch_resume.py.
 
 from __future__ import annotations
 
+import gc
+
 import msgpack
 import pytest
 
@@ -167,6 +169,25 @@ def test_the_watch_history_is_bounded_and_says_what_it_lost():
     assert [c.token for c in log.since("n", revision(1, 12), current)] == [13, 14, 15]
     with pytest.raises(WatchDiverged):
         log.since("n", revision(1, 16), current)
+
+
+def test_the_watch_history_keeps_its_changes_out_of_the_cyclic_collector():
+    """A kept change of ints, strs and a meta of strs and None cannot be part of a reference
+    cycle: the history takes it (and its meta) out of the collector's view as it records it,
+    so that no collection scans the up to ``limit`` changes it keeps; one whose meta holds a
+    container stays in view.  The changes read back the same."""
+    log = WatchLog(limit=10)
+    log.start(revision(1, 10))
+    meta = ("app:worker", "corr-1")
+    odd = ("app:worker", ["a container"])
+    log.record(revision(1, 11), "n", "granted", 11, meta, published=True)
+    log.record(revision(1, 12), "n", "released", 11, None, published=True)
+    log.record(revision(1, 13), "n", "granted", 12, odd, published=True)
+    assert [gc.is_tracked(c) for c in log.changes] == [False, False, True]
+    assert not gc.is_tracked(meta) and gc.is_tracked(odd)
+    gc.collect()
+    changes = log.since("n", revision(1, 10), revision(1, 13))
+    assert [(c.what, c.token) for c in changes] == [("granted", 11), ("released", 11), ("granted", 12)]
 
 
 def test_a_promoted_node_refuses_revisions_past_its_promotion_point():

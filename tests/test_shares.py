@@ -671,3 +671,36 @@ def test_one_client_principal_alone_keeps_the_whole_server(server_factory, tmp_p
         _limit(app.call(P.OP_ACQUIRE, *acquire_args("alone/8")), "--max-leases")
         assert [(u["principal"], u["leases"], u["leases_quota"])
                 for u in app.call(P.OP_STATUS)[2]["principals"]] == [("app", 8, 0)]
+
+
+def test_a_release_uncounts_the_lease_from_its_own_principal_whoever_sends_it(server_factory, tmp_path):
+    """A RELEASE of an unwatched lock uncounts the lease from the principal that holds it: the
+    releasing connection's when it is that principal's, and the holder's too when another
+    principal's connection releases it with its owner key; both principals acquire up to their
+    quota again at once."""
+    creds = CredentialsDir(tmp_path / "credentials", replicas=1)
+    srv = server_factory("release", args=["--credentials", creds.file, "--max-leases-per-principal", "8"])
+    with (Raw(srv.address, credential=creds.token("app")) as app, Raw(srv.address) as anon,
+          Raw(srv.address, credential=creds.token("admin")) as admin):
+        def leases() -> list[int]:  # app's and anonymous's
+            return sorted(u["leases"] for p, u in _usage(admin)["principals"].items() if p != "admin")
+
+        held: dict[str, list[tuple[str, int, bytes]]] = {"app": [], "anon": []}
+        for who, raw in (("app", app), ("anon", anon)):  # each up to its quota
+            for i in range(9):
+                args = acquire_args(f"{who}/{i}")
+                reply = raw.call(P.OP_ACQUIRE, *args)
+                if reply[1] != 0:
+                    _limit(reply, "--max-leases-per-principal")
+                    break
+                held[who].append((args[0], reply[2][0], args[1]))
+        counts = sorted(len(h) for h in held.values())
+        assert counts[0] >= 2 and leases() == counts, (held, leases())
+        # each releases its leases but one, and that one the other principal's connection releases
+        for who, raw, other in (("app", app, anon), ("anon", anon, app)):
+            for i, (name, token, owner) in enumerate(held[who]):
+                assert (raw if i else other).call(P.OP_RELEASE, name, token, owner)[1] == 0
+        assert leases() == [0, 0]
+        for who, raw in (("app", app), ("anon", anon)):
+            for i in range(len(held[who])):
+                assert raw.call(P.OP_ACQUIRE, *acquire_args(f"{who}/again/{i}"))[1] == 0

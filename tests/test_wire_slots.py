@@ -143,3 +143,50 @@ def test_a_group_commit_slot_read_while_none_raises_instead_of_crashing(call):
         """)
     assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr}"
     assert "Error:" in done.stdout
+
+
+# a watch history's compiled entry points with one of their typed slots still None: ``wire`` is a
+# RevisionsWire (a lock watch history's publisher) with a history holding one unpublished change
+_HISTORY_SETUP = """
+    from fastlock._core import LockTable
+    from fastlock.replication._wire import SourceWire, SyncWire
+    from fastlock.server._watchlog import RevisionsWire
+    from fastlock.server.watchlog import WatchLog
+    from fastlock.wal.commit import GroupCommit
+
+    wire = RevisionsWire()
+    wire.table = LockTable()
+    wire.watched = {}
+    wire.scheduled = 0
+    wire.revision_at = 0
+    wire.log = WatchLog(10)
+    wire.log.record(1, "a", "granted", 1, None)
+    wire.source = SourceWire()
+    wire.source.sync = SyncWire()
+    wire.commit = GroupCommit(None, True, 0, lambda exc: None)
+"""
+_HISTORY_NONE = {
+    "RevisionsWire.logged (commit None)": "wire.commit = None; wire.logged('a', 'released', 1, None)",
+    "RevisionsWire.batch_end (log None)": "wire.log = None; wire.batch_end()",
+    "RevisionsWire.batch_end (source None)": "wire.source = None; wire.batch_end()",
+    "RevisionsWire.batch_end (source.sync None)": "wire.source.sync = None; wire.batch_end()",
+    "RevisionsWire.settle (commit None)": "wire.commit = None; wire.settle()",
+    "RevisionsWire.settle (log None)": "wire.log = None; wire.settle()",
+    "RevisionsWire.listener_added (commit None)": "wire.commit = None; wire.listener_added()",
+}
+
+
+@pytest.mark.parametrize("call", sorted(_HISTORY_NONE))
+def test_a_watch_history_slot_read_while_none_raises_instead_of_crashing(call):
+    """A watch history's batch end and record path (``_watchlog.pyx``) read their typed
+    collaborators (``log``, ``source``, ``source.sync``, ``commit``) by C field
+    access: one still None raises AttributeError or TypeError (the module's ``nonecheck``)
+    instead of reading None's memory as that class."""
+    done = _run(_HISTORY_SETUP + f"""
+    try:
+        {_HISTORY_NONE[call]}
+    except (AttributeError, TypeError) as exc:
+        print(type(exc).__name__ + ":", exc)
+    """)
+    assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr}"
+    assert "Error:" in done.stdout

@@ -1,5 +1,7 @@
 # The compiled bases of fastlock/replication/_wire.pyx, declared for the server's request path
-# (fastlock/server/_wire.pyx, fastlock/server/_watchlog.pyx), which reads their fields in C.
+# (fastlock/server/_wire.pyx, fastlock/server/_watchlog.pyx), which reads their fields in C
+# (both compiled with nonecheck, as _wire.pyx is for any code it comes to hold: a typed slot
+# still None where it is read raises AttributeError).
 
 
 cdef class SyncWire:

@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, nonecheck=True
 """The replication fields the server reads on every request and batch end, as slots.
 
 :class:`SourceWire` is the compiled base of

@@ -1,5 +1,6 @@
 # The compiled classes of fastlock/server/_watchlog.pyx, declared for the server's batch end
-# (fastlock/server/_wire.pyx), which records and publishes holder changes by C calls.
+# (fastlock/server/_wire.pyx), which records and publishes holder changes by C calls.  A typed
+# slot still None where it is read raises AttributeError (_watchlog.pyx is compiled with nonecheck).
 
 from ..replication._wire cimport SourceWire
 from ..wal.commit cimport GroupCommit

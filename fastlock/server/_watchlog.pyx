@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, nonecheck=True
 """The watch history's per-change path, compiled (see fastlock/server/watchlog.py).
 
 :class:`HistoryWire` is the compiled base of
@@ -21,6 +21,9 @@ from collections import deque
 
 from libc.stdint cimport int64_t
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void *op)
+
 from .._core cimport table_epoch
 from ..roles import Action
 from ..tokens import COUNTER_MASK, TOKEN_EPOCH_SHIFT
@@ -34,6 +37,26 @@ cdef object _RELEASE = Action.RELEASE
 cdef object _COUNTER_MASK = COUNTER_MASK
 cdef int64_t _LSN_MASK = COUNTER_MASK  # a revision's LSN part, as a C integer
 cdef int _SHIFT = TOKEN_EPOCH_SHIFT
+
+
+cdef inline bint _atomic(object x):
+    """``x`` holds no reference the cyclic collector follows (None, str, int)."""
+    return x is None or type(x) is str or type(x) is int
+
+
+cdef inline _untrack_change(tuple change, object rev, object name, object what, object token, object meta):
+    """Take a kept change out of the cyclic collector's view when nothing in it can be part of a
+    reference cycle (its ints and strs, its ``meta`` of strs and None): a history keeps up to its
+    limit of them, which every collection would otherwise scan while they are young."""
+    if meta is not None:
+        if type(meta) is not tuple:
+            return
+        for m in <tuple>meta:
+            if not _atomic(m):
+                return
+        PyObject_GC_UnTrack(<void *>meta)
+    if _atomic(rev) and _atomic(name) and _atomic(what) and _atomic(token):
+        PyObject_GC_UnTrack(<void *>change)
 
 
 cdef class ChangeLogWire:
@@ -64,6 +87,7 @@ cdef class HistoryWire(ChangeLogWire):
         """Keep a change (``published``: already committed, as a standby's), dropping
         the oldest beyond the limit."""
         change = (rev, name, what, token, meta)
+        _untrack_change(change, rev, name, what, token, meta)
         if self.floor is None:
             self.floor = rev - 1
         changes = self.changes

@@ -54,7 +54,8 @@ cdef class UsageWire:
 
 
 cdef class QuotaCounts:
-    cdef public object table, delays, waiters, leases, _epoch
+    cdef public object table, waiters, leases, _epoch
+    cdef public DelaysWire delays
     cdef public dict usage, _principal_of
     cdef public set ended_early
     cdef public set counted_now  # leases an acquire counted whose grant event is not processed yet
@@ -68,7 +69,9 @@ cdef class QuotaCounts:
 
 cdef class HandlersWire:
     cdef public BatchEnd server
-    cdef public object table, roles, config, watchers, keys, sessions, kinds
+    cdef public object table, roles, config, watchers, kinds
+    cdef public KeysWire keys
+    cdef public SessionsWire sessions
     cdef public SourceWire source
     cdef public LogAppender wal
     cdef public QuotaCounts quotas
@@ -109,7 +112,8 @@ cdef class BatchEnd:
     cdef public LimitsWire limits
     cdef public RevisionsWire revisions  # the lock watches' history (watchlog.Revisions) ...
     cdef public CommittedWire key_revisions  # ... and the key watches' (keyrevisions.KeyRevisions)
-    cdef public object reclaim, node_state, max_ttl_ms
+    cdef public ReclaimWire reclaim
+    cdef public object node_state, max_ttl_ms
     cdef public LogAppender wal
     cdef public QuotaCounts quotas
     cdef public HandlersWire handlers
@@ -128,4 +132,4 @@ cdef class BatchEnd:
     cpdef deliver_granted(self, list grants, refused_by=*)
     cpdef log_decided(self)
     cpdef log_decided_for(self, long long token)
-    cpdef released(self, name, token, meta)
+    cpdef released(self, name, token, meta, principal=*)

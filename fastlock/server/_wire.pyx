@@ -261,11 +261,6 @@ cdef class DelaysWire:
     ACQUIRE."""
 
 
-cdef inline object _running(object delays):
-    """``delays.per_principal`` (a :class:`DelaysWire`'s C field when it is one)."""
-    return (<DelaysWire>delays).per_principal if isinstance(delays, DelaysWire) else delays.per_principal
-
-
 cdef class LimitsWire:
     """The compiled base of :class:`fastlock.server.admission.ConnectionLimits`: the fields
     the request path reads, as slots (declared in ``_wire.pxd``): ``sessions`` (session id ->
@@ -483,13 +478,13 @@ cpdef acquire(HandlersWire handlers, SessionWire conn, object req_id, list msg, 
     refusal raises its FastlockError."""
     name = _name(msg[2])
     owner = conn.owner_hash(msg[3])  # only the hash is kept, logged and replicated
-    reclaim = handlers.server.reclaim
-    queues = (<ReclaimWire>reclaim).queues if isinstance(reclaim, ReclaimWire) else reclaim.queues
+    cdef ReclaimWire reclaim = handlers.server.reclaim
+    queues = reclaim.queues
     if queues and name in queues:  # a promoted primary's reclaim window (server.reclaim)
         roles = handlers.roles
         if _ACQUIRE not in roles.admitted:  # (NodeRole.admit's own test: it raises the refusal)
             roles.admit(_ACQUIRE)
-        reclaim.park(conn, req_id, msg, name, owner, _wait_ms(msg[5]), priority)
+        (<object>reclaim).park(conn, req_id, msg, name, owner, _wait_ms(msg[5]), priority)
         return
     enter_acquire(handlers, conn, req_id, msg, name, owner, priority)
 
@@ -533,7 +528,7 @@ cpdef enter_acquire(HandlersWire handlers, SessionWire conn, object req_id, list
     # the global cap counts leases held: an exclusive request on a held name adds none now (it queues)
     # (running lock-delays count as leases: each keeps a lock entry until it ends)
     # (PrincipalQuotas.lock_delay_count's own first check inline: no lock-delay runs)
-    if (not retry and len(table) + (quotas.lock_delay_count(now) if _running(quotas.delays) else 0)
+    if (not retry and len(table) + (quotas.lock_delay_count(now) if quotas.delays.per_principal else 0)
             >= config.max_leases
             and (shared or limit or not table.holders_of(name, now, 0, 1))):
         raise _limit_exceeded(config.max_leases, "the server", "leases", "max-leases")
@@ -579,7 +574,7 @@ cpdef release(HandlersWire handlers, SessionWire conn, object req_id, list msg):
         table_release(table, name, token, owner, now)
     except _NotHolder:
         raise handlers.not_holder(name, token) from None
-    server.released(name, token, meta)
+    server.released(name, token, meta, conn.grant_name)  # (the lease's principal, but for another's release)
     conn.send(ok_nil(req_id))
 
 
@@ -915,20 +910,21 @@ cdef class BatchEnd:
         if token > self.granted_logged:
             self.log_decided()
 
-    cpdef released(self, name, token, meta):
-        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id))."""
+    cpdef released(self, name, token, meta, principal=None):
+        """Log a release and tell the lock's watchers (``meta``: the lease's (client, correlation id),
+        None when not known); ``principal`` (str): the one the lease likely counts against (the
+        releasing connection's), whose usage the quotas uncount it from when ``meta`` is None
+        (:meth:`QuotaCounts.lease_ended`)."""
         self.wal.append_release(name, token)
         self.revisions.logged(name, "released", token, meta)
         handlers = self.handlers
-        keys = handlers.keys
-        space = (<KeysWire>keys).space if isinstance(keys, KeysWire) else keys.space
-        if space.by_lease:  # (keys attached to leases go with them)
-            keys.lease_ended(name, token, "released")
-        sessions = handlers.sessions
-        attached = (<SessionsWire>sessions).attached_to if isinstance(sessions, SessionsWire) else sessions.attached_to
-        if attached:  # (leases attached to client sessions are detached)
-            sessions.lease_ended(name, token)
-        self.quotas.lease_ended(token, meta, None, name)
+        cdef KeysWire keys = handlers.keys
+        if keys.space.by_lease:  # (keys attached to leases go with them)
+            (<object>keys).lease_ended(name, token, "released")
+        cdef SessionsWire sessions = handlers.sessions
+        if sessions.attached_to:  # (leases attached to client sessions are detached)
+            (<object>sessions).lease_ended(name, token)
+        self.quotas.lease_ended(token, meta, principal, name)
 
 
 # -- the per-principal quotas ---------------------------------------------------------------
@@ -966,6 +962,7 @@ cdef class QuotaCounts:
         ``principal`` (str) that may add ``leases`` leases (int), of which ``waiters`` may
         wait; returns its :class:`~fastlock.server.admission.Usage`."""
         quotas = <object>self
+        cdef DelaysWire delays
         if table_epoch(self.table) != self._epoch:
             quotas.sync()
         cdef UsageWire u = <UsageWire?>(self.usage.get(principal) or quotas.of(principal))
@@ -974,18 +971,18 @@ cdef class QuotaCounts:
         if leases:
             held = len(u.leases) + u.waiting
             delays = self.delays
-            if _running(delays):  # (empty exactly when no lock-delay runs)
-                delays.ended(_monotonic_ms())
+            if delays.per_principal:  # (empty exactly when no lock-delay runs)
+                (<object>delays).ended(_monotonic_ms())
                 held += delays.per_principal.get(principal, 0)
             _quota_check(self.leases, principal, held, leases)
         return u
 
     cpdef lock_delay_count(self, now):
         """Lock-delays running at ``now`` (monotonic ms): --max-leases counts them too."""
-        delays = self.delays
-        if not _running(delays):  # (empty exactly when no lock-delay runs)
+        cdef DelaysWire delays = self.delays
+        if not delays.per_principal:  # (empty exactly when no lock-delay runs)
             return 0
-        delays.ended(now)
+        (<object>delays).ended(now)
         return len(delays)
 
     cpdef acquired(self, UsageWire u, status, names, last_token):
@@ -1034,8 +1031,10 @@ cdef class QuotaCounts:
     cpdef lease_ended(self, token, meta=None, principal=None, name=None):
         """The lease ``token`` (of lock ``name``, when known) was released, expired or revoked:
         uncount it.  Its principal from ``meta`` (the lease's), else ``principal`` (a likely
-        one), else searched among all (principals are few).  With ``name`` a lease sharing its
-        token with another lock's (a slot move imported one of them) is told apart."""
+        one: a RELEASE's connection's), in O(1); searched among all only when that one did not
+        count it (a lease released by another principal's connection, or ended before its grant
+        event counted it).  With ``name`` a lease sharing its token with another lock's (a slot
+        move imported one of them) is told apart."""
         if meta:
             # principal_of's remembered answer, inline (the common case)
             recorded = self._principal_of.get(meta[0]) if type(meta[0]) is str else None
