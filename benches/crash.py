@@ -32,10 +32,19 @@ acknowledged after a restart must carry a token strictly greater than every
 token acknowledged before the kill.  A release that was acknowledged but lost
 in the crash is allowed (``fastlock.server``: releases are acknowledged before
 their record is durable; the lock then stays held by that lease until its TTL
-or until the holder releases it again); they are counted, and the holder
-releases them again.
+or until the holder releases it again): every release acknowledged since the
+last kill (in a worker's loop or while it resumes) is checked after the
+restart; those the crash undid are counted, and the holder releases them again.
+An acquire cut off by a kill is withdrawn by the client (cancel by owner) on
+its next connection; if the server had granted it, a later kill can undo that
+withdrawal the same way, and nobody holds the lease to release it again: such a
+grant stays held until its TTL, and is counted (``lost_cancels``) rather than
+reported.
 
-At the end the fenced ledger must be consistent: its rows are exactly the
+After the last round every client reconnects (sending the withdrawals it still
+owes), and every lock must be free but for such undone withdrawals; a clean stop
+and a restart must leave exactly the same holders (a clean stop flushes
+everything).  The fenced ledger must be consistent: its rows are exactly the
 writes whose transaction committed, no lock's token ever goes down from one
 row to the next, no fenced write was refused as stale (a refusal would mean
 someone else wrote with a newer lease while the writer still believed it held
@@ -43,7 +52,10 @@ the lock), and :class:`fastlock._testbase.HistoryChecker` finds no two
 client-side holdings of one lock overlapping and no token that does not grow.
 
 Options: ``--snapshot-every N`` makes the server snapshot often, so kills also
-land in snapshot writes and segment deletion; ``--startup-kill-every N`` kills
+land in snapshot writes and segment deletion (each restart counts the records
+towards the next snapshot from zero, so a round must log that many records for
+one to start: ``--min-round-grants`` starts a round's random delay only once the
+round has made that many grants, however slow the machine); ``--startup-kill-every N`` kills
 the restarting server a second time at a random moment of its start-up (often
 before it listens) after every Nth kill; ``--fsync interval|never`` runs the
 same checks in a relaxed mode (SIGKILL keeps the page cache, so those modes
@@ -97,6 +109,8 @@ class CrashConfig:
     worker_exit_timeout: float = 10.0  # s for all workers to notice a kill
     startup_kill_every: int = 0  # every Nth kill is followed by a second one during the restart
     startup_kill_max_delay: float = 0.15  # s after starting the process (uniform in [0, max])
+    min_round_grants: int = 0  # grants a round makes before its random delay to the kill starts
+    round_work_timeout: float = 30.0  # s: the longest wait for them (then the delay starts anyway)
 
 
 @dataclasses.dataclass
@@ -111,6 +125,7 @@ class CrashReport:
     held_at_kill: int = 0           # leases held across a kill, each checked after restart
     resumed_writes: int = 0         # fenced writes done after a restart with a pre-crash lease
     lost_releases: int = 0          # acknowledged releases undone by a crash (allowed, see docstring)
+    lost_cancels: int = 0           # withdrawn grants of cut-off acquires a crash brought back (allowed)
     ambiguous_releases: int = 0     # release sent, connection died before the reply
     unacked_acquires: int = 0       # acquire sent, connection died before the reply
     acquire_timeouts: int = 0       # wait ran out (a lock held over a crash until its holder resumed)
@@ -130,6 +145,7 @@ class CrashReport:
                 f"segments_deleted={self.segments_deleted} startup_kills={self.startup_kills} "
                 f"(+{self.startup_kills_after_listening} after listening) held_at_kill={self.held_at_kill} "
                 f"resumed_writes={self.resumed_writes} lost_acked_releases={self.lost_releases} "
+                f"lost_cancels={self.lost_cancels} "
                 f"ambiguous_releases={self.ambiguous_releases} unacked_acquires={self.unacked_acquires} "
                 f"acquire_timeouts={self.acquire_timeouts} worker_exit_max={self.worker_exit_s_max * 1000:.0f}ms "
                 f"restart_max={self.restart_s_max * 1000:.0f}ms "
@@ -149,12 +165,26 @@ class _Run:
         self.max_acked = -1
         self.acked_writes: list[tuple] = []
         self.history = HistoryChecker()
+        self.round_grants = 0
+        self.round_worked = asyncio.Event()  # set once the round made cfg.min_round_grants grants
+        #: (lock name, correlation id) of acquires cut off by a kill before the last one: the
+        #: withdrawal of each may have been answered, then undone by a later kill (module docstring)
+        self.cut_before_a_kill: set[tuple[str, str]] = set()
+
+    def new_round(self, r: int) -> None:
+        self.round = r
+        self.stopped = False
+        self.round_grants = 0
+        self.round_worked.clear()
 
     def violation(self, what: str) -> None:
         self.report.violations.append(f"round {self.round}: {what}")
 
     def granted(self, lease) -> None:
         self.report.grants += 1
+        self.round_grants += 1
+        if self.round_grants >= self.cfg.min_round_grants:
+            self.round_worked.set()
         tok = lease.fencing_token
         if tok <= self.max_acked_before:
             self.violation(f"{lease.name}: token {tok} granted after a restart is not above "
@@ -185,8 +215,13 @@ class _Worker:
         self.lease = None
         self.wrote = False
         self.seq = 0
-        self.relapsed = None  # an acknowledged release the crash undid: release it again
-        self.last_released = None  # the last lease this worker released (checked after a kill)
+        self.relapsed: list = []  # acknowledged releases the crash undid: released again on resume
+        #: tokens of relapsed leases whose new release was sent but not answered (cut off by a kill)
+        self.relapse_sent: set[int] = set()
+        self.released: list = []  # leases whose release was acknowledged since the last kill
+        #: (lock name, correlation id) of acquires cut off by a kill: the client withdraws each
+        #: (cancel by owner) on its next connection
+        self.cut_acquires: list[tuple[str, str]] = []
 
     def close(self) -> None:
         self.db.close()
@@ -206,11 +241,16 @@ class _Worker:
         self.run.acked_writes.append((lease.name, lease.fencing_token, self.idx, self.seq))
         self.run.report.writes += 1
 
+    async def _release_acked(self, lease) -> None:
+        """Release ``lease``; once acknowledged it is checked after the next restart."""
+        await self.client.release(lease)
+        self.released.append(lease)
+
     async def _release(self) -> None:
         lease = self.lease
         self.run.stops_holding(lease)
         self.phase = RELEASING
-        await self.client.release(lease)
+        await self._release_acked(lease)
         self.run.report.releases += 1
         self.phase = IDLE
         self.lease = None
@@ -218,14 +258,18 @@ class _Worker:
     async def resume(self) -> None:
         """After a restart: finish what the crash interrupted."""
         run = self.run
-        if self.relapsed is not None:
+        while self.relapsed:
+            lease = self.relapsed[0]
+            sent_before = lease.fencing_token in self.relapse_sent  # then the server may have applied it
+            self.relapse_sent.add(lease.fencing_token)
             try:
-                await self.client.release(self.relapsed)
+                await self._release_acked(lease)
             except LeaseLost:
-                run.violation(f"worker {self.idx}: lease {self.relapsed.name} token "
-                              f"{self.relapsed.fencing_token} was held after the restart, "
-                              f"but releasing it failed")
-            self.relapsed = None
+                if not sent_before:
+                    run.violation(f"worker {self.idx}: lease {lease.name} token {lease.fencing_token} was held "
+                                  f"after the restart, but releasing it failed")
+            self.relapse_sent.discard(lease.fencing_token)
+            self.relapsed.pop(0)
         if self.phase == HELD:
             try:
                 self.lease = await self.client.extend(self.lease)
@@ -247,7 +291,7 @@ class _Worker:
         elif self.phase == RELEASING:
             # outcome unknown: the server may or may not have seen it; either is fine
             try:
-                await self.client.release(self.lease)
+                await self._release_acked(self.lease)
             except LeaseLost:
                 pass
             self.phase, self.lease = IDLE, None
@@ -260,13 +304,16 @@ class _Worker:
             while not run.stopped:
                 name = f"crash/lock-{rng.randrange(cfg.locks)}"
                 self.phase = ACQUIRING
+                asking = (name, f"w{self.idx}-{self.seq + 1}")
                 try:
-                    lease = await self.client.acquire(
-                        name, ttl=cfg.ttl, wait=cfg.wait, correlation_id=f"w{self.idx}-{self.seq + 1}")
+                    lease = await self.client.acquire(name, ttl=cfg.ttl, wait=cfg.wait, correlation_id=asking[1])
                 except LockNotAcquired:
                     self.phase = IDLE
                     run.report.acquire_timeouts += 1
                     continue
+                except (ConnectionLost, asyncio.CancelledError):
+                    self.cut_acquires.append(asking)
+                    raise
                 self.phase, self.lease, self.wrote = HELD, lease, False
                 run.granted(lease)
                 await asyncio.sleep(rng.uniform(0, cfg.max_hold))
@@ -276,9 +323,7 @@ class _Worker:
                 await asyncio.sleep(rng.uniform(0, cfg.max_hold))
                 if run.stopped:
                     return
-                last = self.lease
                 await self._release()
-                self.last_released = last
         except (ConnectionLost, asyncio.CancelledError):  # the kill (see run_crash)
             if self.phase == ACQUIRING:
                 self.phase = IDLE  # the client cancels it (by owner) when it reconnects
@@ -357,18 +402,24 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
             client = await fastlock.connect(srv.address, client_name=f"crash-w{i}")
             workers.append(_Worker(i, client, db_path, run, random.Random(cfg.seed * 1000 + i)))
         for r in range(cfg.kills + 1):
-            run.round = r
-            run.stopped = False
+            run.new_round(r)
             tasks = [asyncio.ensure_future(w.work()) for w in workers]
             if r == cfg.kills:
                 # last round: only let the workers finish what the last crash interrupted
                 run.stopped = True
                 await asyncio.wait_for(asyncio.gather(*tasks), cfg.worker_exit_timeout + cfg.wait)
                 break
+            if cfg.min_round_grants:
+                try:  # enough records in this server's life (see the module docstring); bounded
+                    await asyncio.wait_for(run.round_worked.wait(), cfg.round_work_timeout)
+                except asyncio.TimeoutError:
+                    pass  # a stalled round is killed all the same: the report's counts show it
             await asyncio.sleep(rng.uniform(cfg.min_delay, cfg.max_delay))  # the experiment
             run.stopped = True
             t_kill = time.monotonic()
             srv.kill()  # SIGKILL, no chance to flush anything
+            for w in workers:  # this kill may undo the withdrawals of acquires cut off before it
+                run.cut_before_a_kill.update(w.cut_acquires)
             report.kills += 1
             _count_snapshots(srv, report)
             for t in tasks:  # calls in flight would ride through until their deadline
@@ -397,14 +448,17 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
         # connects: make every client reconnect, so that no unacknowledged grant is left
         for w in workers:
             await w.client.ping()
+        before = await _holders_left(srv, run)
         await asyncio.to_thread(srv.stop)
         _count_snapshots(srv, report)
-        # a clean stop flushes everything, releases included: nothing is held after it
+        # a clean stop flushes everything, releases included: it changes no holder
         await asyncio.to_thread(srv.start)
         async with fastlock.connect(srv.address, client_name="crash-checker") as chk:
             st = await chk.status()
-        if st["locks_held"] != 0:
-            run.violation(f"{st['locks_held']} locks held after every lease was released and a clean stop")
+            after = {name: await chk.holder(name) for name in before}
+        if st["locks_held"] != len(before) or {n: h and h["token"] for n, h in after.items()} != before:
+            run.violation(f"a clean stop changed the holders: {before} before it, {after} and "
+                          f"{st['locks_held']} locks held after it")
         if st["counter"] < (run.max_acked & COUNTER_MASK):
             run.violation(f"server counter {st['counter']} below acknowledged token {run.max_acked}")
         await asyncio.to_thread(srv.stop)
@@ -426,6 +480,28 @@ async def run_crash(cfg: CrashConfig, workdir: str, *, log=None) -> CrashReport:
     return report
 
 
+async def _holders_left(srv: ServerProcess, run: _Run) -> dict[str, int]:
+    """After the last round, every lease released and every withdrawal sent: the locks still
+    held (name -> token), each a grant whose withdrawal a kill undid (counted); any other
+    holder is a violation."""
+    left = {}
+    async with fastlock.connect(srv.address, client_name="crash-checker") as chk:
+        for i in range(run.cfg.locks):
+            name = f"crash/lock-{i}"
+            h = await chk.holder(name)
+            if h is None:
+                continue
+            left[name] = h["token"]
+            if (name, h["correlation_id"]) in run.cut_before_a_kill:
+                run.report.lost_cancels += 1
+            else:
+                run.violation(f"{name} held after every lease was released and every withdrawal sent: {h}")
+        st = await chk.status()
+    if st["locks_held"] != len(left):
+        run.violation(f"{st['locks_held']} locks held, {len(left)} of them crash/lock-*")
+    return left
+
+
 async def _check_recovered(srv: ServerProcess, workers: list, run: _Run) -> None:
     """Right after a restart, before any worker acts: the recovered state must cover what
     was acknowledged."""
@@ -443,11 +519,12 @@ async def _check_recovered(srv: ServerProcess, workers: list, run: _Run) -> None
                     # a fresh full TTL from recovery (minus the time this check took)
                     if h is None or h["remaining_ms"] < lease.ttl * 1000 - 5000:
                         run.violation(f"{lease.name}: recovered lease has {h} left, not a fresh TTL")
-            last = w.last_released
-            if w.phase != HELD and last is not None and await chk.check(last.name, last.fencing_token):
-                run.report.lost_releases += 1  # allowed: releases are acked before they are durable
-                w.relapsed = last
-            w.last_released = None
+            for lease in w.released:
+                if await chk.check(lease.name, lease.fencing_token):
+                    run.report.lost_releases += 1  # allowed: releases are acked before they are durable
+                    w.relapsed.append(lease)
+                    w.relapse_sent.discard(lease.fencing_token)
+            w.released = []
         st = await chk.status()
         if run.max_acked >= 0 and st["counter"] < (run.max_acked & COUNTER_MASK):
             run.violation(f"server counter {st['counter']} below acknowledged token {run.max_acked}")
@@ -486,12 +563,16 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--startup-kill-every", type=int, default=0, metavar="N",
                     help="after every Nth kill, kill the restarting server again at a random moment of its "
                          "start-up (recovery) before restarting it for good")
+    ap.add_argument("--min-round-grants", type=int, default=0, metavar="N",
+                    help="start each round's random delay to the kill only once the round made N grants "
+                         "(waiting at most 30 s), so a slow machine still logs enough records between kills")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (data dir, ledger)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     cfg = CrashConfig(kills=args.kills, workers=args.workers, locks=args.locks, seed=args.seed,
                       min_delay=args.min_delay, max_delay=args.max_delay, snapshot_every=args.snapshot_every,
-                      fsync=args.fsync, startup_kill_every=args.startup_kill_every)
+                      fsync=args.fsync, startup_kill_every=args.startup_kill_every,
+                      min_round_grants=args.min_round_grants)
     workdir = tempfile.mkdtemp(prefix="fastlock-crash-")
     print(f"crash run: {cfg.kills} SIGKILLs, {cfg.workers} workers on {cfg.locks} locks, fsync={cfg.fsync}, "
           f"snapshot every {cfg.snapshot_every or 'default'} records, seed {cfg.seed}, work dir {workdir}")

@@ -510,8 +510,11 @@ def test_reset_link_primary_fences_itself_without_client_traffic(cluster):
     primary must still fence itself on time: no request arrives to make it
     look at its clock, and once the standby may have promoted a release is
     refused (the new primary would never see it) and hands the lock to nobody;
-    the waiter is sent away (its connection closed) to look for the new primary."""
-    p = cluster.primary()
+    the waiter is sent away (its connection closed) to look for the new primary.
+    The primary has no replica credential, so it cannot find the new primary and
+    step down (which closes every connection): what it does while fenced is checked
+    after the promotion without racing its rejoin."""
+    p = cluster.primary(replica_credential=False)
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=FAILOVER, grace=GRACE)
 
@@ -552,10 +555,12 @@ def test_delayed_replicate_from_a_promoted_standby_does_not_unfence_the_primary(
     """A REPLICATE the standby sent before it promoted, delivered late (after
     a partition heals), must not count as contact: only an echo of a
     heartbeat the primary sent after it may lift the fence.  Simulated by
-    replaying the standby's HELLO + REPLICATE on a raw socket."""
+    replaying the standby's HELLO + REPLICATE on a raw socket.  The primary has no
+    replica credential, so it stays a fenced primary after the promotion rather than
+    rejoining the new primary (found at its paired standby's own address)."""
     from fastlock import protocol as P
 
-    p = cluster.primary()
+    p = cluster.primary(replica_credential=False)
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=FAILOVER, grace=GRACE)
 

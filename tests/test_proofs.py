@@ -534,12 +534,14 @@ def test_during_a_partition_nobody_without_the_standbys_token_keeps_the_old_prim
     """Finding (b) with a partition: the standby is cut off, an attacker without credentials
     tries to re-attach to the old primary as that standby with failover window 0 (with a
     made-up proof, and by asking the standby's own listener for a challenge); the old primary
-    fences, the standby promotes, and the two never both grant 'ledger'."""
+    fences, the standby promotes, and the two never both grant 'ledger'.  The old primary
+    has no replica credential, so it stays fenced after the promotion (it cannot rejoin the
+    new primary, which would close the connections this test reads it through)."""
     from fastlock._testbase.cluster import Cluster
 
     cluster = Cluster(tmp_path)
     try:
-        p = cluster.primary()
+        p = cluster.primary(replica_credential=False)
         px = cluster.proxy(p.address)
         s = cluster.standby(px.address, failover_after=1.5, grace=0.2)
         standby_principal = cluster.replica_of("standby")
@@ -573,8 +575,8 @@ def test_during_a_partition_nobody_without_the_standbys_token_keeps_the_old_prim
                        lambda st: st["replication"]["fenced"], timeout=5, what="the old primary to fence itself")
             await asyncio.to_thread(s.wait_for_log, r"PROMOTED", 15)
             old = await RawNode.open(p.address, token=cluster.creds.token("app"))
-            try:  # fenced, or (reaching the new primary's own address) rejoined it as its standby
-                with pytest.raises((fastlock.Unavailable, fastlock.NotPrimary)):
+            try:  # still fenced: nobody re-attached as its standby
+                with pytest.raises(fastlock.Unavailable):
                     await old.acquire("ledger", 1000)
             finally:
                 await old.close()

@@ -288,8 +288,10 @@ def test_operator_and_replica_operations_are_refused_to_others_with_no_state_cha
 def test_a_fake_standby_cannot_keep_the_old_primary_unfenced(cluster):
     """Finding: during a partition a fake standby attached under the real standby's node id
     (printed by STATUS) and echoed heartbeats, so the old primary kept granting while the
-    real standby promoted: two holders.  Now pairing goes by the replica principal."""
-    p = cluster.primary()
+    real standby promoted: two holders.  Now pairing goes by the replica principal.  The
+    primary has no replica credential, so it stays fenced after the promotion (it cannot
+    rejoin the new primary, which would close every connection and pairing)."""
+    p = cluster.primary(replica_credential=False)
     px = cluster.proxy(p.address)
     s = cluster.standby(px.address, failover_after=1.0, grace=0.2)
 
@@ -324,8 +326,8 @@ def test_a_fake_standby_cannot_keep_the_old_primary_unfenced(cluster):
             lease = await c.acquire("ledger", ttl=5.0, wait=5.0)
             assert epoch_of(lease.fencing_token) == 1  # the new epoch
         st = await status_of(p.address)
-        if st["role"] == "primary":  # not yet rejoined as the new primary's standby: the fake never paired
-            assert st["replication"]["paired_standby"] == paired
+        assert st["role"] == "primary" and st["replication"]["fenced"], st
+        assert st["replication"]["paired_standby"] == paired  # the fake never paired
 
     run(main())
 

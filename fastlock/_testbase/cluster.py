@@ -146,8 +146,14 @@ class Cluster:
     def auth_args(self, name: str) -> list[str]:
         return self.creds.server_args(self.replica_of(name))
 
-    def primary(self, name: str = "primary", *, args: Sequence[str] = (), **kw) -> ServerProcess:
-        return self._start(ServerProcess(self.root / name, args=["--name", name, *self.auth_args(name),
+    def primary(self, name: str = "primary", *, args: Sequence[str] = (), replica_credential: bool = True,
+                **kw) -> ServerProcess:
+        """Start a primary called ``name``.  ``replica_credential=False``: without
+        ``--standby-token-file``, so that once fenced it cannot ask its paired standby's
+        address whether that node was promoted, nor follow it there: it stays a fenced
+        primary (its log says so) instead of stepping down and closing every connection."""
+        auth = self.auth_args(name) if replica_credential else ["--credentials", self.creds.file]
+        return self._start(ServerProcess(self.root / name, args=["--name", name, *auth,
                                                                  *self._relay_args(name), *args], **kw))
 
     def _relay_args(self, name: str) -> list[str]:
