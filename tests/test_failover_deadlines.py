@@ -20,12 +20,12 @@ with ``--failover-after 1.0``):
 from __future__ import annotations
 
 import asyncio
-import textwrap
 import time
 
 import pytest
 
 from fastlock._testbase.cluster import RawNode, poll, run, status_of
+from fastlock._testbase.stall import stalled_fsync_env
 from fastlock.client.bounded import SERVER_CLOCK_STEP
 from fastlock.errors import NotPrimary, Unavailable
 
@@ -100,37 +100,6 @@ def test_promotion_keeps_each_replicated_deadline(cluster):
     run(main())
 
 
-STALL_HOOK = textwrap.dedent('''
-    """Test hook: the WAL's sync off the main thread (the writer thread) waits while a
-    marker file exists.  It wraps the segment writer's I/O seam (``SegmentWriter.disk``)."""
-    import os
-    import threading
-    import time
-    import types
-
-    _marker = os.environ.get("FASTLOCK_TEST_STALL_FSYNC")
-    if _marker:
-        from fastlock.wal import writer as _writer
-
-        _init = _writer.SegmentWriter.__init__
-
-        def _stalling_init(self, *args, **kwargs):
-            _init(self, *args, **kwargs)
-            real = self.disk
-
-            def datasync(fd):
-                if threading.current_thread() is not threading.main_thread() and os.path.exists(_marker):
-                    open(_marker + ".stalled", "w").close()
-                    deadline = time.monotonic() + 20
-                    while os.path.exists(_marker) and time.monotonic() < deadline:
-                        time.sleep(0.005)
-                return real.datasync(fd)
-
-            self.disk = types.SimpleNamespace(pwrite_all=real.pwrite_all, datasync=datasync,
-                                              zero_fill=real.zero_fill)
-
-        _writer.SegmentWriter.__init__ = _stalling_init
-''')
 
 
 def test_grant_made_durable_after_promotion_is_not_acknowledged(cluster, tmp_path):
@@ -138,12 +107,9 @@ def test_grant_made_durable_after_promotion_is_not_acknowledged(cluster, tmp_pat
     (both wait for durability), SIGSTOP the primary, let the standby promote,
     un-stall, SIGCONT: both requests get ``Unavailable`` (or ``NotPrimary`` if
     the old primary already stepped down) - no token of the old epoch."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(STALL_HOOK)
     marker = tmp_path / "stall-fsync"
     # the writer thread syncs every batch (the hook stalls it there; the loop stays free)
-    p = cluster.primary(env={"PYTHONPATH": str(hook), "FASTLOCK_TEST_STALL_FSYNC": str(marker)},
+    p = cluster.primary(env=stalled_fsync_env(tmp_path / "hook", marker, writer_thread_only=True),
                         args=["--wal-writer", "thread"])
     s = cluster.standby(p.address, failover_after=FAILOVER, grace=GRACE)
 

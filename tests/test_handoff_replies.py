@@ -11,9 +11,9 @@ segment writer's I/O seam) shows which reply waits for it.
 from __future__ import annotations
 
 import asyncio
-import textwrap
 
 from fastlock._testbase.cluster import RawNode, poll, run
+from fastlock._testbase.stall import stalled_fsync_env
 from fastlock.protocol.ops import OP_LOCK_INFO
 
 #: the interval timer's period (milliseconds): longer than the test, so every sync is asked for
@@ -22,47 +22,14 @@ QUIET_TIMER = ["--fsync-interval-ms", "60000"]
 #: (commit.LONE_BATCHES) before it syncs on the loop
 LONE_PAIRS = 12
 
-STALL_HOOK = textwrap.dedent('''
-    """Test hook: every WAL fdatasync waits while a marker file exists (it says so in
-    ``<marker>.stalled``).  It wraps the segment writer's I/O seam (``SegmentWriter.disk``)."""
-    import os
-    import time
-    import types
-
-    _marker = os.environ.get("FASTLOCK_TEST_STALL_FSYNC")
-    if _marker:
-        from fastlock.wal import writer as _writer
-
-        _init = _writer.SegmentWriter.__init__
-
-        def _stalling_init(self, *args, **kwargs):
-            _init(self, *args, **kwargs)
-            real = self.disk
-
-            def datasync(fd):
-                if os.path.exists(_marker):
-                    open(_marker + ".stalled", "w").close()
-                    deadline = time.monotonic() + 20
-                    while os.path.exists(_marker) and time.monotonic() < deadline:
-                        time.sleep(0.005)
-                return real.datasync(fd)
-
-            self.disk = types.SimpleNamespace(pwrite_all=real.pwrite_all, datasync=datasync,
-                                              zero_fill=real.zero_fill)
-
-        _writer.SegmentWriter.__init__ = _stalling_init
-''')
 
 
 def test_a_handoffs_release_is_answered_before_the_grants_sync(server_factory, tmp_path):
     """A holder releases with a waiter queued while the server's fdatasync stalls: the release's
     reply arrives during the stall, the waiter's grant only after it, with the next token."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(STALL_HOOK)
     marker = tmp_path / "stall-fsync"
     server = server_factory(fsync="always", args=[*QUIET_TIMER, "--wal-writer", "auto"],
-                            env={"PYTHONPATH": str(hook), "FASTLOCK_TEST_STALL_FSYNC": str(marker)})
+                            env=stalled_fsync_env(tmp_path / "hook", marker))
 
     async def main() -> None:
         holder = await RawNode.open(server.address)
