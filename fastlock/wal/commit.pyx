@@ -168,7 +168,7 @@ cdef class GroupCommit:
         if self.interval_ms:
             self._timer = loop.call_later(self.interval_ms / 1000.0, self._on_interval)
         if self._pending.buf or self._waiters:
-            self._schedule()
+            self._schedule_kick()
 
     def add(self, body: bytes, fsync: bool = False) -> None:
         """Append one record body as a frame of the pending batch (the next LSN);
@@ -210,9 +210,6 @@ cdef class GroupCommit:
         if not self._scheduled and self._inflight is None and self.loop is not None:
             self._scheduled = True
             self.loop.call_soon(self._kick_soon)
-
-    def _schedule(self) -> None:
-        self._schedule_kick()
 
     def _kick_soon(self) -> None:
         # one scheduled hand-off per loop turn at most: a batch written meanwhile by
@@ -379,7 +376,7 @@ cdef class GroupCommit:
         self._timer = self.loop.call_later(self.interval_ms / 1000.0, self._on_interval)
         if self.marks.written > self.marks.synced or self._pending.buf:
             self._pending.fsync_requested = True
-            self._schedule()
+            self._schedule_kick()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -479,7 +476,7 @@ cdef class GroupCommit:
         """Fsync at the next hand-off, whatever the mode (without waiting for it)."""
         if self.fatal is None:
             self._pending.fsync_requested = True
-            self._schedule()
+            self._schedule_kick()
 
     cpdef bint flush_now(self) except -1:
         """See :meth:`fastlock.wal.WriteAheadLog.flush_now`."""
@@ -517,7 +514,7 @@ cdef class GroupCommit:
         self._sync_waiters.append((lsn, fut))
         if force:
             self._pending.fsync_requested = True
-            self._schedule()
+            self._schedule_kick()
         await fut
 
     async def flush(self) -> None:
